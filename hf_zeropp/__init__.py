@@ -1,0 +1,23 @@
+"""hf_zeropp: ZeRO stage 1-3 sharding and the ZeRO++ communication optimizations (qwZ, hpZ, qgZ) on torch FSDP2,
+for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSpeed."""
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
+from .config import PRESETS, ZeroPPConfig
+from .sharding import comm_stats, gathered_parameter_bytes, no_sync, shard_model, state_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "ZeroPPConfig",
+    "comm_stats",
+    "gathered_parameter_bytes",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "no_sync",
+    "save_checkpoint",
+    "save_pretrained",
+    "shard_model",
+    "state_bytes",
+    "__version__",
+]

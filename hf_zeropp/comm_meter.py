@@ -1,0 +1,132 @@
+"""Byte accounting for every collective hf_zeropp runs, and the plain (unquantized) FSDP2 comms that use it.
+
+Accounting rule — the same for the baseline and for ZeRO++, so ratios between them are meaningful: a collective
+is counted as the *logical* bytes this rank must deliver to each other rank of the group, whatever algorithm the
+backend uses underneath:
+
+* all-gather: this rank's shard to every peer → ``(g - 1) / g`` of the gathered buffer;
+* reduce-scatter: peer ``j``'s chunk to peer ``j`` → ``(g - 1) / g`` of the input buffer;
+* all-to-all: peer ``j``'s piece to peer ``j`` (own piece excluded);
+* all-reduce: counted as reduce-scatter + all-gather → ``2 (g - 1) / g`` of the buffer.
+
+Each count is split into ``intra_node`` (the peer is on this rank's node) and ``inter_node``. Quantized payloads
+count their codes and scales.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from .topology import Topology
+
+KINDS = ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter", "grad_allreduce", "qgz_intra", "qgz_inter")
+
+
+class CommMeter:
+    """Per-rank byte counters by collective kind and by intra/inter node."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._bytes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.implementations: dict[str, str] = {}
+
+    def record(self, kind: str, group: dist.ProcessGroup, bytes_per_peer: int, implementation: str) -> None:
+        """``bytes_per_peer`` go from this rank to every other rank of ``group``."""
+        intra_peers, inter_peers = self.topology.peers_on_my_node(group)
+        counter = self._bytes[kind]
+        counter["intra_node"] += intra_peers * bytes_per_peer
+        counter["inter_node"] += inter_peers * bytes_per_peer
+        counter["calls"] += 1
+        self.implementations[kind] = implementation
+
+    def record_allreduce(self, group: dist.ProcessGroup, buffer_bytes: int, implementation: str) -> None:
+        """An all-reduce of ``buffer_bytes``: reduce-scatter plus all-gather, ``2 / g`` of the buffer per peer."""
+        group_size = dist.get_world_size(group)
+        intra_peers, inter_peers = self.topology.peers_on_my_node(group)
+        counter = self._bytes["grad_allreduce"]
+        counter["intra_node"] += 2 * buffer_bytes * intra_peers // group_size
+        counter["inter_node"] += 2 * buffer_bytes * inter_peers // group_size
+        counter["calls"] += 1
+        self.implementations["grad_allreduce"] = implementation
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            kind: {"intra_node": c["intra_node"], "inter_node": c["inter_node"], "calls": c["calls"]}
+            for kind, c in self._bytes.items()
+        }
+        result["total"] = {
+            "intra_node": sum(c["intra_node"] for c in self._bytes.values()),
+            "inter_node": sum(c["inter_node"] for c in self._bytes.values()),
+        }
+        result["implementations"] = dict(self.implementations)
+        if reset:
+            self._bytes.clear()
+        return result
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (FSDP's pre-backward all-gathers happen there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def allgather_kind() -> str:
+    return "bwd_allgather" if in_backward() else "fwd_allgather"
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _PlainAlloc:
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class MeteredAllGather(_PlainAlloc, AllGather):
+    """FSDP2's all-gather, unchanged, with its bytes counted."""
+
+    def __init__(self, meter: CommMeter) -> None:
+        self.meter = meter
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        self.meter.record(allgather_kind(), group, nbytes(input_tensor), f"all_gather {input_tensor.dtype}")
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class MeteredReduceScatter(_PlainAlloc, ReduceScatter):
+    """FSDP2's reduce-scatter as a SUM (FSDP divides by the world size afterwards), with its bytes counted."""
+
+    def __init__(self, meter: CommMeter) -> None:
+        self.meter = meter
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> dist.Work | None:
+        check_sum(op)
+        self.meter.record("grad_reduce_scatter", group, nbytes(output_tensor), f"reduce_scatter {input_tensor.dtype}")
+        return reduce_scatter_single(output_tensor, input_tensor, group=group, op=dist.ReduceOp.SUM, async_op=async_op)
+
+
+def check_sum(op: Any) -> None:
+    if op != dist.ReduceOp.SUM:
+        raise RuntimeError(
+            f"hf_zeropp's reduce-scatter expects FSDP to request SUM (set_force_sum_reduction_for_comms) but got "
+            f"{op}; this is a bug in hf_zeropp's FSDP setup"
+        )
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """torch >= 2.13 renamed all_gather_into_tensor; call whichever this torch has."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op: Any,
+                          async_op: bool = False):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)

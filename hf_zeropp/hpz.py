@@ -1,0 +1,43 @@
+"""hpZ: a node-local secondary copy of the weights, so the backward all-gather never leaves the node.
+
+FSDP2 realises it natively: ``fully_shard(reshard_after_forward=k)`` keeps, after forward, a 1/k slice of each
+gathered parameter instead of freeing it, and the backward all-gather then runs over the k consecutive ranks
+that share those slices — one node when ranks are numbered node by node and ``k = node_size``. Optimizer state
+and gradients stay sharded over the whole world (the reduce-scatter always uses the full group). Cost: each rank
+holds 1/k of the unsharded weights in the compute dtype between forward and backward (ZeRO++ Fig. 4).
+
+FSDP2 builds a new device mesh, hence new process groups, for every ``fully_shard`` call with an integer
+reshard (pytorch#153302); :func:`shared_hpz_mesh` hands every call the topology's one hpZ mesh instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_impl
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+from .topology import Topology
+
+
+@contextlib.contextmanager
+def shared_hpz_mesh(topology: Topology) -> Iterator[None]:
+    """Make FSDP2 use the topology's one hpZ mesh instead of building a new one per fully_shard call."""
+    hpz_mesh = topology.hpz_mesh
+    if hpz_mesh is None:
+        yield
+        return
+    shared = HSDPMeshInfo(hpz_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    build = _fully_shard_impl._get_post_forward_mesh_info
+
+    def post_forward_mesh_info(reshard_after_forward, mesh_info):
+        if type(reshard_after_forward) is int and reshard_after_forward == topology.hpz_size:
+            return shared
+        return build(reshard_after_forward, mesh_info)
+
+    _fully_shard_impl._get_post_forward_mesh_info = post_forward_mesh_info
+    try:
+        yield
+    finally:
+        _fully_shard_impl._get_post_forward_mesh_info = build

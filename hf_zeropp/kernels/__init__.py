@@ -1,0 +1,363 @@
+"""Block-quantization kernels for ZeRO++: quantize, dequantize, swizzle+quantize, dequant+reduce(+requant).
+
+Three backends give the same results: ``"reference"`` (plain torch, :mod:`hf_zeropp.kernels.reference`, the
+spec), ``"cpp"`` (C++ for the CPU, OpenMP, compiled on first use) and ``"cuda"`` (``cuda/*.cu``, compiled on first
+use). ``backend=None`` takes the compiled backend for the tensor's device when it builds, else the reference.
+The format itself (block layout, scale rule, INT4 packing, NaN/Inf behaviour) is documented in ``reference``.
+
+Every function takes rows along the last dimension: a ``(..., L)`` input gives ``(..., L)`` (8-bit) or
+``(..., ceil(L / 2))`` (4-bit) int8 codes and ``(..., ceil(L / block_size))`` fp32 scales.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, NamedTuple
+
+import torch
+
+from . import _build, reference
+from .reference import QMAX, num_blocks, packed_length, swizzle_source_slices
+
+__all__ = [
+    "Backend",
+    "DEFAULT_BLOCK_SIZE",
+    "Quantized",
+    "active_backend",
+    "dequant_reduce",
+    "dequant_reduce_quant",
+    "dequantize",
+    "num_blocks",
+    "packed_length",
+    "quantize",
+    "set_default_backend",
+    "swizzle_quantize",
+    "swizzle_source_slices",
+]
+
+Backend = Literal["reference", "cpp", "cuda"]
+BACKENDS: tuple[str, ...] = ("reference", "cpp", "cuda")
+DEFAULT_BLOCK_SIZE = 256
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_EXTENSION_OF = {"cpp": _build.CPU_EXTENSION, "cuda": _build.CUDA_EXTENSION}
+_DEVICE_OF = {"cpp": "cpu", "cuda": "cuda"}
+
+_default_backend: str | None = os.environ.get("HF_ZEROPP_KERNEL_BACKEND") or None
+
+
+class Quantized(NamedTuple):
+    """int8 codes (4-bit codes packed two per byte) and one fp32 scale per block."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+def set_default_backend(backend: Backend | None) -> None:
+    """Force one backend for every call that passes ``backend=None`` (None restores automatic choice).
+
+    The environment variable ``HF_ZEROPP_KERNEL_BACKEND`` sets the same at start-up.
+    """
+    global _default_backend
+    if backend is not None:
+        _check_backend_name(backend)
+    _default_backend = backend
+
+
+def _check_backend_name(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS} or None for automatic")
+
+
+def active_backend(device: torch.device | str, backend: Backend | None = None) -> str:
+    """The backend a call with ``backend`` on ``device`` would use (building it if needed)."""
+    return _resolve(backend, torch.device(device))[0]
+
+
+def _resolve(backend: str | None, device: torch.device):
+    backend = backend or _default_backend
+    if backend is None:
+        automatic = "cuda" if device.type == "cuda" else "cpp" if device.type == "cpu" else None
+        module = _build.load(_EXTENSION_OF[automatic]) if automatic else None
+        return (automatic, module) if module is not None else ("reference", None)
+    _check_backend_name(backend)
+    if backend == "reference":
+        return "reference", None
+    if device.type != _DEVICE_OF[backend]:
+        raise ValueError(
+            f"kernel backend {backend!r} runs on {_DEVICE_OF[backend]} tensors but got a {device.type} tensor; "
+            f"pass backend=None (automatic) or move the tensor"
+        )
+    return backend, _build.load(_EXTENSION_OF[backend], raise_on_failure=True)
+
+
+def _check_bits(bits: int, name: str = "bits") -> None:
+    if bits not in QMAX:
+        raise ValueError(f"{name}={bits!r} is not supported; use 8 or 4")
+
+
+def _check_block_size(block_size: int, bits: int) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive integer (e.g. {DEFAULT_BLOCK_SIZE})")
+    if bits == 4 and block_size % 2:
+        raise ValueError(
+            f"block_size={block_size} is odd, but 4-bit codes pack two per byte and a byte may not straddle "
+            f"two blocks; use an even block size such as {block_size + 1}"
+        )
+
+
+def _float_input(x: torch.Tensor, name: str = "x") -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype == torch.float64:
+        return x.to(torch.float32)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; quantization takes float32, float16 or bfloat16 tensors")
+    return x
+
+
+def _check_codes(codes: torch.Tensor, scales: torch.Tensor) -> None:
+    if codes.dtype != torch.int8:
+        raise TypeError(f"codes must be int8 (as returned by quantize), got {codes.dtype}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"scales must be float32 (as returned by quantize), got {scales.dtype}")
+    if codes.device != scales.device:
+        raise ValueError(f"codes are on {codes.device} but scales on {scales.device}; keep them together")
+
+
+def _row_length(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, length: int | None) -> int:
+    """Resolve and check the unpacked row length against the codes' and scales' shapes."""
+    packed = codes.shape[-1] if codes.dim() else 1
+    if length is None:
+        length = packed if bits == 8 else 2 * packed
+    if packed_length(length, bits) != packed:
+        raise ValueError(
+            f"length={length} needs {packed_length(length, bits)} bytes of {bits}-bit codes per row, "
+            f"but the codes have {packed}; pass the row length used at quantization"
+        )
+    if scales.shape[-1] != num_blocks(length, block_size):
+        raise ValueError(
+            f"scales have {scales.shape[-1]} blocks per row but length={length} with block_size={block_size} "
+            f"needs {num_blocks(length, block_size)}; pass the block_size used at quantization"
+        )
+    return length
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}; "
+            f"expected shape {tuple(shape)}, dtype {dtype}, device {device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int = 8,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    backend: Backend | None = None,
+) -> Quantized:
+    """Symmetric block quantization along the last dimension.
+
+    ``stochastic=True`` rounds ``floor(x / scale + u)`` with ``u`` drawn from ``seed`` and the element's index:
+    unbiased, and identical across backends and reruns.
+    """
+    x = _float_input(x)
+    _check_bits(bits)
+    _check_block_size(block_size, bits)
+    shape = tuple(x.shape) if x.dim() else (1,)
+    length = shape[-1]
+    lead = shape[:-1]
+    rows = x.reshape(-1, length) if length else x.reshape(0, 0)
+    name, module = _resolve(backend, x.device)
+    codes_shape = (*lead, packed_length(length, bits))
+    scales_shape = (*lead, num_blocks(length, block_size))
+    if rows.numel() == 0:
+        return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
+                         torch.empty(scales_shape, dtype=torch.float32, device=x.device))
+    if module is None:
+        codes, scales = reference.quantize(rows, bits, block_size, stochastic, seed)
+        return Quantized(codes.reshape(codes_shape), scales.reshape(scales_shape))
+    codes = torch.empty(codes_shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty(scales_shape, dtype=torch.float32, device=x.device)
+    module.quantize_(rows.contiguous(), bits, block_size, stochastic, seed, codes.view(rows.shape[0], -1),
+                     scales.view(rows.shape[0], -1))
+    return Quantized(codes, scales)
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    bits: int = 8,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    length: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """``code * scale`` back to ``dtype``; ``length`` is the row length (needed for odd 4-bit rows).
+
+    ``out`` (contiguous, shape ``(..., length)``) receives the result in place, e.g. a view of a collective's
+    output buffer, saving a copy.
+    """
+    _check_codes(codes, scales)
+    _check_bits(bits)
+    _check_block_size(block_size, bits)
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype={dtype} is not supported; dequantize to float32, float16 or bfloat16")
+    length = _row_length(codes, scales, bits, block_size, length)
+    lead = tuple(codes.shape[:-1])
+    if tuple(scales.shape[:-1]) != lead:
+        raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} differ in leading dims")
+    shape = (*lead, length)
+    if out is not None:
+        _check_out(out, shape, dtype, codes.device)
+    name, module = _resolve(backend, codes.device)
+    if codes.numel() == 0 or length == 0:
+        return out if out is not None else torch.empty(shape, dtype=dtype, device=codes.device)
+    if module is None:
+        result = reference.dequantize(codes, scales, bits, block_size, length, dtype)
+        return out.copy_(result) if out is not None else result
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=codes.device)
+    rows = out.numel() // length
+    module.dequantize_(codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1), bits, block_size,
+                       out.view(rows, length))
+    return out
+
+
+def swizzle_quantize(
+    x: torch.Tensor,
+    nodes: int,
+    node_size: int,
+    stages: int = 1,
+    bits: int = 4,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    backend: Backend | None = None,
+) -> Quantized:
+    """Reorder a reduce-scatter input for qgZ's hierarchical all-to-all and quantize it, in one pass.
+
+    ``x`` is the flat gradient buffer holding ``nodes * node_size`` equal chunks (chunk ``j`` reduces onto global
+    rank ``j``); each chunk is cut into ``stages`` slices. Row ``(s * node_size + d) * nodes + m`` of the result
+    holds slice ``s`` of the chunk of node ``m``'s local rank ``d`` (see
+    :func:`~hf_zeropp.kernels.reference.swizzle_source_slices`), so stage ``s``'s intra-node all-to-all sends the
+    contiguous rows ``[s * node_size * nodes, (s + 1) * node_size * nodes)``, ``nodes`` rows to each local peer.
+    Each row is quantized on its own (its own blocks and tail block).
+    """
+    x = _float_input(x)
+    _check_bits(bits)
+    _check_block_size(block_size, bits)
+    for name, value in (("nodes", nodes), ("node_size", node_size), ("stages", stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    slices = nodes * node_size * stages
+    if x.numel() % slices:
+        raise ValueError(
+            f"x has {x.numel()} elements, not divisible by nodes*node_size*stages = {slices}; "
+            f"pad it to {-(-x.numel() // slices) * slices} elements first"
+        )
+    length = x.numel() // slices
+    codes_shape = (slices, packed_length(length, bits))
+    scales_shape = (slices, num_blocks(length, block_size))
+    name, module = _resolve(backend, x.device)
+    if length == 0:
+        return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
+                         torch.empty(scales_shape, dtype=torch.float32, device=x.device))
+    if module is None:
+        return Quantized(*reference.swizzle_quantize(x, nodes, node_size, stages, bits, block_size, stochastic, seed))
+    codes = torch.empty(codes_shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty(scales_shape, dtype=torch.float32, device=x.device)
+    module.swizzle_quantize_(x.contiguous().view(-1), nodes, node_size, stages, bits, block_size, stochastic, seed,
+                             codes, scales)
+    return Quantized(codes, scales)
+
+
+def _stacked(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, length: int | None,
+             bits_name: str) -> int:
+    _check_codes(codes, scales)
+    _check_bits(bits, bits_name)
+    _check_block_size(block_size, bits)
+    if codes.dim() != 3 or scales.dim() != 3 or codes.shape[:2] != scales.shape[:2]:
+        raise ValueError(
+            f"expected k stacked inputs: codes (k, rows, bytes) and scales (k, rows, blocks), got "
+            f"{tuple(codes.shape)} and {tuple(scales.shape)}"
+        )
+    return _row_length(codes, scales, bits, block_size, length)
+
+
+def dequant_reduce_quant(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    in_bits: int = 4,
+    out_bits: int = 4,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    length: int | None = None,
+    stochastic: bool = False,
+    seed: int = 0,
+    backend: Backend | None = None,
+) -> Quantized:
+    """qgZ's middle step, fused: dequantize ``k`` inputs ``(k, rows, ·)``, add them in fp32, requantize to
+    ``out_bits`` rows ``(rows, ·)`` with the same block size."""
+    length = _stacked(codes, scales, in_bits, block_size, length, "in_bits")
+    _check_bits(out_bits, "out_bits")
+    _check_block_size(block_size, out_bits)
+    rows = codes.shape[1]
+    codes_shape = (rows, packed_length(length, out_bits))
+    scales_shape = (rows, num_blocks(length, block_size))
+    name, module = _resolve(backend, codes.device)
+    if codes.shape[0] == 0:
+        raise ValueError("dequant_reduce_quant needs at least one input (k >= 1)")
+    if rows == 0 or length == 0:
+        return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=codes.device),
+                         torch.empty(scales_shape, dtype=torch.float32, device=codes.device))
+    if module is None:
+        return Quantized(*reference.dequant_reduce_quant(codes, scales, in_bits, block_size, length, out_bits,
+                                                         stochastic, seed))
+    out_codes = torch.empty(codes_shape, dtype=torch.int8, device=codes.device)
+    out_scales = torch.empty(scales_shape, dtype=torch.float32, device=codes.device)
+    module.dequant_reduce_quant_(codes.contiguous(), scales.contiguous(), in_bits, block_size, length, out_bits,
+                                 stochastic, seed, out_codes, out_scales)
+    return Quantized(out_codes, out_scales)
+
+
+def dequant_reduce(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    bits: int = 4,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    length: int | None = None,
+    scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """qgZ's last step, fused: dequantize ``k`` inputs ``(k, rows, ·)``, add them in fp32, multiply by ``scale``
+    (e.g. 1/world for an average), write ``(rows, length)`` in ``dtype``."""
+    length = _stacked(codes, scales, bits, block_size, length, "bits")
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype={dtype} is not supported; reduce into float32, float16 or bfloat16")
+    if codes.shape[0] == 0:
+        raise ValueError("dequant_reduce needs at least one input (k >= 1)")
+    shape = (codes.shape[1], length)
+    if out is not None:
+        _check_out(out, shape, dtype, codes.device)
+    name, module = _resolve(backend, codes.device)
+    if shape[0] == 0 or length == 0:
+        return out if out is not None else torch.empty(shape, dtype=dtype, device=codes.device)
+    if module is None:
+        result = reference.dequant_reduce(codes, scales, bits, block_size, length, scale, dtype)
+        return out.copy_(result) if out is not None else result
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=codes.device)
+    module.dequant_reduce_(codes.contiguous(), scales.contiguous(), bits, block_size, float(scale), out)
+    return out

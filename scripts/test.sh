@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), build the kernels once, and run the whole test suite. `.ci/run` calls this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python -m hf_zeropp.kernels build >/tmp/hf_zeropp_kernel_build.log 2>&1 || {
+  cat /tmp/hf_zeropp_kernel_build.log; echo "kernel build failed (see above)"; }
+.venv/bin/python -m hf_zeropp.kernels check
+exec .venv/bin/python -m pytest -q "$@"
