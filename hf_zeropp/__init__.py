@@ -3,13 +3,22 @@ for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSp
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
 from .config import PRESETS, ZeroPPConfig
-from .sharding import comm_stats, gathered_parameter_bytes, no_sync, shard_model, state_bytes
+from .sharding import (
+    active_techniques,
+    comm_stats,
+    gathered_parameter_bytes,
+    no_sync,
+    set_techniques,
+    shard_model,
+    state_bytes,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
     "ZeroPPConfig",
+    "active_techniques",
     "comm_stats",
     "gathered_parameter_bytes",
     "latest_checkpoint",
@@ -17,6 +26,7 @@ __all__ = [
     "no_sync",
     "save_checkpoint",
     "save_pretrained",
+    "set_techniques",
     "shard_model",
     "state_bytes",
     "__version__",

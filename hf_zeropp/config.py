@@ -23,6 +23,8 @@ BITS = (4, 8)
 MIXED_PRECISION = ("no", "bf16", "fp16")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 KERNEL_BACKENDS = ("reference", "cpp", "cuda")
+# Block sizes are kept to multiples of 8 so that every block starts 8-element aligned for vectorized kernels.
+BLOCK_ALIGNMENT = 8
 
 # DeepSpeed zero_optimization keys hf_zeropp maps onto its own fields.
 _DEEPSPEED_MAPPED = {
@@ -104,8 +106,11 @@ class ZeroPPConfig:
             raise ValueError(f"gradient_intra_bits={self.gradient_intra_bits} is not supported; use 8, 4 or None")
         for name in ("block_size", "gradient_block_size"):
             value = getattr(self, name)
-            if value is not None and (value < 2 or value % 2):
-                raise ValueError(f"{name}={value} must be an even integer >= 2 (e.g. 256)")
+            if value is not None and (value < BLOCK_ALIGNMENT or value % BLOCK_ALIGNMENT):
+                raise ValueError(
+                    f"{name}={value} must be a positive multiple of {BLOCK_ALIGNMENT} (the kernels' alignment), "
+                    f"e.g. {max(BLOCK_ALIGNMENT, -(-value // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT)}"
+                )
         if self.qgz_pipeline_stages < 1:
             raise ValueError(f"qgz_pipeline_stages={self.qgz_pipeline_stages} must be >= 1")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -278,9 +283,9 @@ class ZeroPPConfig:
                 f"node ({node_size}) or a divisor of it"
             )
         if hpz > 1 and node_size % hpz:
-            warnings.warn(
-                f"hpz_partition_size={hpz} is not a divisor of node_size={node_size}: the backward all-gather "
-                "will cross nodes", stacklevel=2,
+            raise ValueError(
+                f"hpz_partition_size={hpz} does not fit in a node of {node_size} ranks: its backward all-gather "
+                f"would cross nodes; use {node_size} ('node') or a divisor of it"
             )
         return ResolvedConfig(self, world_size=world_size, node_size=node_size, hpz_size=hpz)
 

@@ -13,12 +13,22 @@ reshard (pytorch#153302); :func:`shared_hpz_mesh` hands every call the topology'
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_impl
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 from .topology import Topology
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_info(topology: Topology) -> HSDPMeshInfo:
+    return HSDPMeshInfo(topology.hpz_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
 @contextlib.contextmanager
@@ -28,7 +38,7 @@ def shared_hpz_mesh(topology: Topology) -> Iterator[None]:
     if hpz_mesh is None:
         yield
         return
-    shared = HSDPMeshInfo(hpz_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    shared = _mesh_info(topology)
     build = _fully_shard_impl._get_post_forward_mesh_info
 
     def post_forward_mesh_info(reshard_after_forward, mesh_info):
@@ -41,3 +51,25 @@ def shared_hpz_mesh(topology: Topology) -> Iterator[None]:
         yield
     finally:
         _fully_shard_impl._get_post_forward_mesh_info = build
+
+
+def set_hpz(model: nn.Module, topology: Topology, enabled: bool) -> None:
+    """Switch hpZ on (secondary shard over the hpZ group) or off (plain ZeRO-3 resharding) between steps."""
+    if topology.hpz_mesh is None:
+        raise ValueError(
+            "hpZ was not configured for this model; shard it with hpz_partition_size > 1 to switch hpZ on and off"
+        )
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            if group.post_forward_mesh_info is None:
+                continue  # a unit that keeps its weights gathered after forward (stage 1/2): nothing to reshard
+            if any(p.sharded_state != ShardedState.SHARDED for p in group.fsdp_params):
+                raise RuntimeError("switch hpZ between optimizer steps, not during a forward or backward pass")
+            info = _mesh_info(topology) if enabled else group.mesh_info
+            group.post_forward_mesh_info = info
+            for param in group.fsdp_params:
+                param.post_forward_mesh_info = info
+                param._init_sharded_post_forward_param_metadata(torch.empty(param._orig_size, device="meta"))
+

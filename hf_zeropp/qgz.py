@@ -35,9 +35,55 @@ if TYPE_CHECKING:
     from .sharding import ZeroPPState
 
 
+class BlockQuantizedPayload:
+    """What qgZ ships: block-quantized codes plus one fp32 scale per block (the kernels in hf_zeropp.kernels)."""
+
+    def __init__(self, block_size: int, stochastic: bool) -> None:
+        self.block_size = block_size
+        self.stochastic = stochastic
+
+    def swizzle(self, flat, nodes, node_size, stages, bits, seed):
+        return kernels.swizzle_quantize(flat, nodes, node_size, stages, bits, self.block_size,
+                                        stochastic=self.stochastic, seed=seed)
+
+    def reduce_requantize(self, payload, scales, in_bits, out_bits, length, seed):
+        return kernels.dequant_reduce_quant(payload, scales, in_bits=in_bits, out_bits=out_bits,
+                                            block_size=self.block_size, length=length, stochastic=self.stochastic,
+                                            seed=seed)
+
+    def reduce(self, payload, scales, bits, length, out) -> None:
+        kernels.dequant_reduce(payload, scales, bits=bits, block_size=self.block_size, length=length,
+                               dtype=out.dtype, out=out)
+
+
+class FullPrecisionPayload:
+    """The same reorder and the same two hops with unquantized fp32 rows: isolates placement and averaging
+    from quantization error (used by the tests and for debugging)."""
+
+    def swizzle(self, flat, nodes, node_size, stages, bits, seed):
+        rows = flat.float().view(nodes * node_size * stages, -1)
+        ordered = rows[kernels.swizzle_source_slices(nodes, node_size, stages).to(flat.device)]
+        return ordered, ordered.new_empty(ordered.shape[0], 0)
+
+    def reduce_requantize(self, payload, scales, in_bits, out_bits, length, seed):
+        total = _sum_in_order(payload)
+        return total, total.new_empty(total.shape[0], 0)
+
+    def reduce(self, payload, scales, bits, length, out) -> None:
+        out.copy_(_sum_in_order(payload))
+
+
+def _sum_in_order(stacked: torch.Tensor) -> torch.Tensor:
+    total = stacked[0].clone()
+    for part in stacked[1:]:
+        total += part
+    return total
+
+
 class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
     def __init__(self, meter: CommMeter, topology: Topology, intra_bits: int, inter_bits: int, block_size: int,
-                 stages: int, stochastic: bool, seed: int) -> None:
+                 stages: int, stochastic: bool, seed: int, enabled: bool = True,
+                 payload: BlockQuantizedPayload | FullPrecisionPayload | None = None) -> None:
         self.meter = meter
         self.topology = topology
         self.intra_bits = intra_bits
@@ -46,7 +92,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.stages = stages
         self.stochastic = stochastic
         self.seed = seed
-        self.enabled = True  # schedules switch qgZ off and on between steps
+        self.enabled = enabled  # schedules switch qgZ off and on between steps
+        self.payload = payload or BlockQuantizedPayload(block_size, stochastic)
         self._calls = itertools.count()
         self._plain = MeteredReduceScatter(meter)
 
@@ -72,45 +119,39 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         seed = self._seed()
         # one rank per node has no intra-node hop: quantize straight to the inter-node width
         first_bits = self.intra_bits if node_size > 1 else self.inter_bits
-        codes, scales = kernels.swizzle_quantize(chunks.reshape(-1), nodes, node_size, stages, first_bits,
-                                                 self.block_size, stochastic=self.stochastic, seed=seed)
+        payload, scales = self.payload.swizzle(chunks.reshape(-1), nodes, node_size, stages, first_bits, seed)
         rows_per_stage = node_size * nodes
-        codes = codes.view(stages, rows_per_stage, -1)
-        scales = scales.view(stages, rows_per_stage, -1)
+        payload = payload.view(stages, rows_per_stage, payload.shape[-1])
+        scales = scales.view(stages, rows_per_stage, scales.shape[-1])
 
         # hop 1 (intra-node): every stage's all-to-all goes out now; the node's D contributions arrive stacked
         if node_size > 1:
-            received = [self._all_to_all(codes[s], scales[s], topo.intra_node_group, "qgz_intra", first_bits)
+            received = [self._all_to_all(payload[s], scales[s], topo.intra_node_group, "qgz_intra")
                         for s in range(stages)]
         else:  # one rank per node: nothing to exchange inside the node
-            received = [(None, codes[s].unsqueeze(0), scales[s].unsqueeze(0)) for s in range(stages)]
+            received = [((), payload[s].unsqueeze(0), scales[s].unsqueeze(0)) for s in range(stages)]
 
-        result = output_tensor.new_empty(stages, slice_len) if slice_len * stages != shard_numel \
-            else output_tensor.view(stages, slice_len)
+        exact_fit = slice_len * stages == shard_numel
+        result = output_tensor.view(stages, slice_len) if exact_fit else output_tensor.new_empty(stages, slice_len)
         if nodes == 1:  # single node: one hop, reduce straight to full precision
-            for s, (work, got_codes, got_scales) in enumerate(received):
-                _wait(work)
-                kernels.dequant_reduce(got_codes, got_scales, bits=first_bits, block_size=self.block_size,
-                                       length=slice_len, dtype=output_tensor.dtype, out=result[s:s + 1])
+            final = received
+            final_bits = first_bits
         else:
-            partials = []
-            for s, (work, got_codes, got_scales) in enumerate(received):
-                _wait(work)
+            final = []
+            for s, (works, got, got_scales) in enumerate(received):
+                _wait(works)
                 if node_size > 1:
-                    got_codes, got_scales = kernels.dequant_reduce_quant(
-                        got_codes, got_scales, in_bits=first_bits, out_bits=self.inter_bits,
-                        block_size=self.block_size, length=slice_len, stochastic=self.stochastic,
-                        seed=seed + 1 + s)
+                    got, got_scales = self.payload.reduce_requantize(got, got_scales, first_bits, self.inter_bits,
+                                                                     slice_len, seed + 1 + s)
                 else:
-                    got_codes, got_scales = got_codes[0], got_scales[0]
-                # hop 2 (inter-node): row m of the partial sums goes to node m
-                partials.append(self._all_to_all(got_codes, got_scales, topo.inter_node_group, "qgz_inter",
-                                                 self.inter_bits))
-            for s, (work, got_codes, got_scales) in enumerate(partials):
-                _wait(work)
-                kernels.dequant_reduce(got_codes, got_scales, bits=self.inter_bits, block_size=self.block_size,
-                                       length=slice_len, dtype=output_tensor.dtype, out=result[s:s + 1])
-        if result.data_ptr() != output_tensor.data_ptr():
+                    got, got_scales = got[0], got_scales[0]
+                # hop 2 (inter-node): row m of the partial sums goes to node m; stage s+1 is reduced meanwhile
+                final.append(self._all_to_all(got, got_scales, topo.inter_node_group, "qgz_inter"))
+            final_bits = self.inter_bits
+        for s, (works, got, got_scales) in enumerate(final):
+            _wait(works)
+            self.payload.reduce(got, got_scales, final_bits, slice_len, result[s:s + 1])
+        if not exact_fit:
             output_tensor.copy_(result.reshape(-1)[:shard_numel])
         return None
 
@@ -118,38 +159,37 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         """A fresh seed per call and rank, so stochastic rounding errors are independent across steps and ranks."""
         return (self.seed * 1_000_003 + next(self._calls) * 7919 + self.topology.rank * 104_729) & 0xFFFFFFFF
 
-    def _all_to_all(self, codes: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, kind: str,
-                    bits: int):
-        """Asynchronous all-to-all of equal row blocks; returns (work, codes (g, rows/g, ·), scales (g, rows/g, ·))."""
+    def _all_to_all(self, payload: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, kind: str):
+        """Asynchronous all-to-all of equal row blocks; returns (works, payload (g, rows/g, ·), scales (g, ·, ·))."""
         peers = dist.get_world_size(group)
-        got_codes = torch.empty_like(codes)
+        works = []
+        got = torch.empty_like(payload)
+        works.append(dist.all_to_all_single(got, payload, group=group, async_op=True))
         got_scales = torch.empty_like(scales)
-        codes_work = dist.all_to_all_single(got_codes, codes, group=group, async_op=True)
-        scales_work = dist.all_to_all_single(got_scales, scales, group=group, async_op=True)
-        per_peer = (nbytes(codes) + nbytes(scales)) // peers
-        self.meter.record(kind, group, per_peer, self.describe())
-        return ((codes_work, scales_work), got_codes.view(peers, -1, codes.shape[-1]),
-                got_scales.view(peers, -1, scales.shape[-1]))
+        if scales.numel():
+            works.append(dist.all_to_all_single(got_scales, scales, group=group, async_op=True))
+        self.meter.record(kind, group, (nbytes(payload) + nbytes(scales)) // peers, self.describe())
+        rows = payload.shape[0] // peers
+        return works, got.view(peers, rows, -1), got_scales.view(peers, rows, scales.shape[-1])
 
     def describe(self) -> str:
         topo = self.topology
         hops = "1-hop (single node)" if topo.nodes == 1 else "2-hop"
-        return (f"qgZ {hops} all-to-all int{self.intra_bits}/int{self.inter_bits}, block {self.block_size}, "
-                f"{self.stages} stage(s), {topo.nodes}x{topo.node_size}"
+        precision = (f"int{self.intra_bits}/int{self.inter_bits}, block {self.block_size}"
+                     if isinstance(self.payload, BlockQuantizedPayload) else "fp32 (quantization bypassed)")
+        return (f"qgZ {hops} all-to-all {precision}, {self.stages} stage(s), {topo.nodes}x{topo.node_size}"
                 + (", stochastic rounding" if self.stochastic else ""))
 
 
-def _wait(work) -> None:
-    if work is not None:
-        for w in work:
-            w.wait()
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
 
 
-def make_reduce_scatter(state: ZeroPPState) -> QuantizedReduceScatter | None:
-    """The qgZ reduce-scatter for a unit, or None when qgZ is off."""
+def make_reduce_scatter(state: ZeroPPState) -> QuantizedReduceScatter:
+    """The qgZ reduce-scatter for a unit; with qgZ off it runs the plain metered reduce-scatter until a schedule
+    switches it on."""
     config = state.config
-    if not config.quantized_gradients:
-        return None
     return QuantizedReduceScatter(
         state.meter, state.topology,
         intra_bits=config.gradient_intra_bits or config.gradient_bits,
@@ -158,4 +198,5 @@ def make_reduce_scatter(state: ZeroPPState) -> QuantizedReduceScatter | None:
         stages=config.qgz_pipeline_stages,
         stochastic=config.stochastic_rounding,
         seed=config.seed,
+        enabled=config.quantized_gradients,
     )

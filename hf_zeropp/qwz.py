@@ -27,13 +27,13 @@ if TYPE_CHECKING:
 
 class QuantizedAllGather(_PlainAlloc, AllGather):
     def __init__(self, meter: CommMeter, topology: Topology, bits: int, block_size: int,
-                 quantize_node_local: bool) -> None:
+                 quantize_node_local: bool, enabled: bool = True) -> None:
         self.meter = meter
         self.topology = topology
         self.bits = bits
         self.block_size = block_size
         self.quantize_node_local = quantize_node_local
-        self.enabled = True  # schedules switch qwZ off and on between steps
+        self.enabled = enabled  # schedules switch qwZ off and on between steps
 
     def _quantizes(self, group: dist.ProcessGroup) -> bool:
         if not self.enabled:
@@ -61,10 +61,9 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
         return None
 
 
-def make_all_gather(state: ZeroPPState) -> QuantizedAllGather | None:
-    """The qwZ all-gather for a unit, or None when qwZ is off (the plain metered gather is used)."""
+def make_all_gather(state: ZeroPPState) -> QuantizedAllGather:
+    """The qwZ all-gather for a unit; with qwZ off it runs the plain metered gather until a schedule switches it
+    on."""
     config = state.config
-    if not config.quantized_weights:
-        return None
     return QuantizedAllGather(state.meter, state.topology, config.weight_bits, config.block_size,
-                              config.quantize_hpz_gather)
+                              config.quantize_hpz_gather, enabled=config.quantized_weights)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from . import kernels
-from .comm_meter import CommMeter, MeteredAllGather, MeteredReduceScatter
+from .comm_meter import CommMeter
 from .config import ResolvedConfig, ZeroPPConfig
-from .hpz import shared_hpz_mesh
+from .hpz import set_hpz, shared_hpz_mesh
 from .topology import Topology, get_topology
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,6 +44,9 @@ class ZeroPPState:
     meter: CommMeter
     units: list[nn.Module]
     original_class: type
+    all_gathers: list = field(default_factory=list)
+    reduce_scatters: list = field(default_factory=list)
+    hpz_enabled: bool = False
 
 
 def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | None = None,
@@ -94,7 +97,8 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
             for unit in [*units, model]:
                 fully_shard(unit, mesh=topology.world_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
 
-    state = ZeroPPState(config, resolved, topology, meter, units, original_class)
+    state = ZeroPPState(config, resolved, topology, meter, units, original_class,
+                        hpz_enabled=config.stage == 3 and resolved.hpz_size > 1)
     _install_comms(model, state)
     model._zeropp = state
     return model
@@ -182,8 +186,11 @@ def _install_comms(model: nn.Module, state: ZeroPPState) -> None:
         if state.config.stage == 0:
             module.set_all_reduce_hook(_allreduce_meter(state.meter, state.topology))
             continue
-        module.set_custom_all_gather(make_all_gather(state) or MeteredAllGather(state.meter))
-        module.set_custom_reduce_scatter(make_reduce_scatter(state) or MeteredReduceScatter(state.meter))
+        all_gather, reduce_scatter = make_all_gather(state), make_reduce_scatter(state)
+        module.set_custom_all_gather(all_gather)
+        module.set_custom_reduce_scatter(reduce_scatter)
+        state.all_gathers.append(all_gather)
+        state.reduce_scatters.append(reduce_scatter)
 
 
 def _allreduce_meter(meter: CommMeter, topology: Topology):
@@ -209,6 +216,38 @@ def comm_stats(model: nn.Module, reset: bool = False) -> dict[str, Any]:
     kind (e.g. the 2-hop quantized all-to-all for the gradient reduce-scatter).
     """
     return zeropp_state(model).meter.stats(reset=reset)
+
+
+def set_techniques(model: nn.Module, *, quantized_weights: bool | None = None, hpz: bool | None = None,
+                   quantized_gradients: bool | None = None) -> dict[str, bool]:
+    """Switch qwZ, hpZ and qgZ on or off between optimizer steps without re-wrapping the model (e.g. the ZeRO++
+    paper's "qgZ for the first 50 % of training"). None leaves a technique as it is; returns what is on now.
+
+    qwZ and qgZ can be switched on even if the model was sharded without them (stages 1-3); hpZ only if it was
+    configured (``hpz_partition_size > 1``), since its process groups are built at sharding time.
+    """
+    state = zeropp_state(model)
+    if state.config.stage == 0 and (quantized_weights or hpz or quantized_gradients):
+        raise ValueError("stage 0 (plain data parallel) has no sharded collectives to quantize; use stage 3")
+    if quantized_weights is not None:
+        for comm in state.all_gathers:
+            comm.enabled = quantized_weights
+    if quantized_gradients is not None:
+        for comm in state.reduce_scatters:
+            comm.enabled = quantized_gradients
+    if hpz is not None and hpz != state.hpz_enabled:
+        set_hpz(model, state.topology, hpz)
+        state.hpz_enabled = hpz
+    return active_techniques(model)
+
+
+def active_techniques(model: nn.Module) -> dict[str, bool]:
+    state = zeropp_state(model)
+    return {
+        "quantized_weights": any(c.enabled for c in state.all_gathers),
+        "hpz": state.hpz_enabled,
+        "quantized_gradients": any(c.enabled for c in state.reduce_scatters),
+    }
 
 
 @contextlib.contextmanager
@@ -273,5 +312,5 @@ def gathered_parameter_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["comm_stats", "fsdp_modules", "gathered_parameter_bytes", "no_sync", "shard_model", "state_bytes",
-           "zeropp_state"]
+__all__ = ["active_techniques", "comm_stats", "fsdp_modules", "gathered_parameter_bytes", "no_sync",
+           "set_techniques", "shard_model", "state_bytes", "zeropp_state"]

@@ -10,27 +10,13 @@ step, split intra/inter node, and writes a consolidated checkpoint that plain tr
 from __future__ import annotations
 
 import argparse
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import hf_zeropp
-
-
-def stdlib_corpus(max_bytes: int) -> torch.Tensor:
-    """Bytes of the standard library's .py files in sorted path order (identical on every rank)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+from hf_zeropp.data import byte_sequences
 
 
 def main() -> None:
@@ -54,8 +40,7 @@ def main() -> None:
     hf_zeropp.shard_model(model, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
-    tokens = stdlib_corpus(4_000_000)
-    sequences = tokens[: len(tokens) // args.seq_len * args.seq_len].view(-1, args.seq_len)
+    sequences = byte_sequences(4_000_000, args.seq_len)
     generator = torch.Generator().manual_seed(1)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters()) * world  # shards add up to the model

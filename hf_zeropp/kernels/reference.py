@@ -93,7 +93,8 @@ def _quantize_rows(
     rows, length = xf.shape
     blocks = _blocked(xf, block_size)
     absmax = blocks.abs().amax(dim=-1)  # NaN propagates (torch.amax is NaN-propagating)
-    scales = absmax / qmax
+    # a tensor divisor: torch on CUDA turns division by a Python scalar into a reciprocal multiply
+    scales = absmax / torch.full_like(absmax, qmax)
     usable = torch.isfinite(scales) & (scales != 0)
     safe = torch.where(usable, scales, torch.ones_like(scales))
     v = torch.where(usable.unsqueeze(-1), blocks / safe.unsqueeze(-1), torch.zeros_like(blocks))

@@ -1,0 +1,144 @@
+"""qgZ and qwZ collectives on real gloo process groups, emulated topologies nodes x node_size (issue C)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+
+TOPOLOGIES = [(2, 2), (2, 4), (4, 2), (3, 2), (1, 4)]
+SHARD = 301  # elements per rank: prime, so neither stages nor blocks divide it
+BLOCK = 64
+
+
+def _setup(node_size: int):
+    from hf_zeropp.comm_meter import CommMeter
+    from hf_zeropp.config import ZeroPPConfig
+    from hf_zeropp.topology import get_topology
+
+    resolved = ZeroPPConfig(node_size=node_size).resolve(dist.get_world_size())
+    topology = get_topology(resolved, "cpu")
+    _ = topology.node_mesh
+    return topology, CommMeter(topology)
+
+
+def _gradients(world: int, rank: int, integers: bool) -> torch.Tensor:
+    """Rank ``rank``'s reduce-scatter input (world, SHARD); heavy-tailed, or small integers (exact sums)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    if integers:
+        return torch.randint(-50, 50, (world, SHARD), generator=g).float()
+    return torch.randn(world, SHARD, generator=g) * torch.rand(world, SHARD, generator=g) ** 4 * 10
+
+
+def _error_bound(world: int, nodes: int, node_size: int, stages: int, first_bits: int, inter_bits: int,
+                 rank: int, stochastic: bool) -> torch.Tensor:
+    """Analytic bound on |qgZ SUM - exact SUM| per element of ``rank``'s shard.
+
+    Each rank's slice is quantized once (error <= step/2 per block with step = absmax/qmax; < step with
+    stochastic rounding); with two hops each node's partial sum is requantized once (its absmax <= the sum of the
+    node's absmaxes, inflated by the first error).
+    """
+    rounding = 1.0 if stochastic else 0.5
+    qmax = {8: 127, 4: 7}
+    slice_len = -(-SHARD // stages)
+    padded = torch.zeros(world, world, stages * slice_len)
+    for r in range(world):
+        padded[r, :, :SHARD] = _gradients(world, r, integers=False)
+    mine = padded[:, rank].view(world, stages, slice_len)  # every rank's chunk addressed to me
+    blocks = -(-slice_len // BLOCK)
+    pad = blocks * BLOCK - slice_len
+    absmax = torch.nn.functional.pad(mine.abs(), (0, pad)).view(world, stages, blocks, BLOCK).amax(-1)
+    bound = (absmax * rounding / qmax[first_bits]).sum(0)
+    if nodes > 1 and node_size > 1:
+        per_node = absmax.view(nodes, node_size, stages, blocks).sum(1) * (1 + rounding / qmax[first_bits])
+        bound = bound + (per_node * rounding / qmax[inter_bits]).sum(0)
+    return bound.repeat_interleave(BLOCK, -1)[..., :slice_len].reshape(-1)[:SHARD] * (1 + 1e-5) + 1e-6
+
+
+def _qgz_worker(node_size: int):
+    from hf_zeropp.comm_meter import reduce_scatter_single
+    from hf_zeropp.qgz import FullPrecisionPayload, QuantizedReduceScatter
+
+    topology, meter = _setup(node_size)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = {}
+    for stages in (1, 2):
+        exact_int = torch.empty(SHARD)
+        reduce_scatter_single(exact_int, _gradients(world, rank, True).reshape(-1), group=None, op=dist.ReduceOp.SUM)
+        bypass = QuantizedReduceScatter(meter, topology, 8, 8, BLOCK, stages, False, 0, payload=FullPrecisionPayload())
+        got = torch.empty(SHARD)
+        bypass(got, _gradients(world, rank, True).reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM)
+        results[("bypass", stages)] = bool(torch.equal(got, exact_int))
+
+        exact = torch.empty(SHARD)
+        reduce_scatter_single(exact, _gradients(world, rank, False).reshape(-1), group=None, op=dist.ReduceOp.SUM)
+        for intra_bits, inter_bits in ((8, 8), (8, 4), (4, 4)):
+            for stochastic in (False, True):
+                comm = QuantizedReduceScatter(meter, topology, intra_bits, inter_bits, BLOCK, stages, stochastic, 3)
+                got = torch.empty(SHARD)
+                comm(got, _gradients(world, rank, False).reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM)
+                first = intra_bits if topology.node_size > 1 else inter_bits
+                bound = _error_bound(world, topology.nodes, topology.node_size, stages, first, inter_bits, rank,
+                                     stochastic)
+                error = (got - exact).abs()
+                results[(intra_bits, inter_bits, stages, stochastic)] = (
+                    bool((error <= bound).all()), float((error / bound).max()), float(error.max()))
+    results["stats"] = meter.stats()
+    return results
+
+
+@pytest.mark.parametrize("nodes,node_size", TOPOLOGIES)
+def test_qgz_places_exactly_and_stays_within_the_quantization_bound(nodes, node_size):
+    results = run_distributed(_qgz_worker, nodes * node_size, node_size, node_size=node_size)
+    for rank, result in enumerate(results):
+        for stages in (1, 2):
+            assert result[("bypass", stages)], f"rank {rank}: bypassed qgZ differs from reduce-scatter (stages={stages})"
+        for key, value in result.items():
+            if isinstance(key, tuple) and key[0] != "bypass":
+                within, ratio, worst = value
+                assert within, f"rank {rank} {key}: error {worst:.3g} exceeds the bound ({ratio:.2f}x)"
+        stats = result["stats"]
+        if nodes == 1:
+            assert "qgz_inter" not in stats and stats["qgz_intra"]["inter_node"] == 0
+            assert "1-hop" in stats["implementations"]["qgz_intra"]
+        else:
+            assert stats["qgz_intra"]["inter_node"] == 0, "hop 1 must stay inside the node"
+            assert stats["qgz_inter"]["intra_node"] == 0, "hop 2 must only cross nodes"
+
+
+def _qwz_worker(node_size: int):
+    from hf_zeropp.comm_meter import all_gather_single
+    from hf_zeropp.qwz import QuantizedAllGather
+
+    topology, meter = _setup(node_size)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bits in (8, 4):
+            shard = (torch.randn(SHARD, generator=torch.Generator().manual_seed(rank)) * 3).to(dtype)
+            exact = torch.empty(world * SHARD, dtype=dtype)
+            all_gather_single(exact, shard, group=dist.group.WORLD)
+            output = torch.empty(world * SHARD, dtype=dtype)
+            output.view(world, SHARD)[rank].copy_(shard)  # FSDP's layout: the input is a view into the output
+            comm = QuantizedAllGather(meter, topology, bits, BLOCK, quantize_node_local=False)
+            comm(output, output.view(world, SHARD)[rank], dist.group.WORLD)
+            blocks = torch.nn.functional.pad(exact.float().view(world, SHARD).abs(), (0, -SHARD % BLOCK))
+            step = blocks.view(world, -1, BLOCK).amax(-1) / {8: 127, 4: 7}[bits]
+            bound = step.repeat_interleave(BLOCK, -1)[:, :SHARD].reshape(-1) / 2
+            tolerance = bound * (1 + 1e-5) + exact.float().abs() * torch.finfo(dtype).eps
+            error = (output.float() - exact.float()).abs()
+            results[(dtype, bits)] = bool((error <= tolerance).all()) and output.dtype == dtype
+    results["stats"] = meter.stats()
+    return results
+
+
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (1, 4)])
+def test_qwz_all_gather_stays_within_half_a_step_in_every_dtype(nodes, node_size):
+    results = run_distributed(_qwz_worker, nodes * node_size, node_size, node_size=node_size)
+    for result in results:
+        assert all(v for k, v in result.items() if k != "stats"), result
+        implementation = result["stats"]["implementations"]["fwd_allgather"]
+        # a single node's gather never leaves the node, so it is not quantized unless asked
+        assert ("qwZ" in implementation) == (nodes > 1), implementation

@@ -1,0 +1,201 @@
+"""ZeRO++ end to end on a GPT-2 (issue C): all three techniques train like ZeRO-3, cut cross-node bytes as the
+paper says, keep hpZ's backward gathers inside the node, and switch on and off between steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+
+STEPS = 50
+SEQ = 32
+ZEROPP = {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True}
+
+
+def _gpt2(vocab: int = 256):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+
+
+def _text_batch(step: int, per_rank: int = 4) -> torch.Tensor:
+    from hf_zeropp.data import byte_sequences
+
+    sequences = byte_sequences(200_000, SEQ)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    picks = torch.randint(0, len(sequences), (per_rank * world,), generator=torch.Generator().manual_seed(step))
+    return sequences[picks].view(world, per_rank, SEQ)[rank]
+
+
+def _mean(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return float(value) / dist.get_world_size()
+
+
+def _train(configs: dict[str, dict], steps: int, micro_batches: int = 1):
+    import hf_zeropp
+
+    out = {}
+    for name, options in configs.items():
+        model = _gpt2()
+        hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**options))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses, record = [], {}
+        for step in range(steps):
+            if step == 1:
+                hf_zeropp.comm_stats(model, reset=True)
+            total = 0.0
+            for micro in range(micro_batches):
+                ids = _text_batch(step * micro_batches + micro)
+                loss = model(input_ids=ids, labels=ids).loss / micro_batches
+                if step == 1 and micro == 0:
+                    record["gathered_after_forward"] = hf_zeropp.gathered_parameter_bytes(model)
+                loss.backward()
+                total += _mean(loss)
+            if step == 1:
+                record["step_stats"] = hf_zeropp.comm_stats(model, reset=True)
+                record["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(total)
+        record["losses"] = losses
+        out[name] = record
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_runs():
+    mixed = {"mixed_precision": "bf16", "reduce_dtype": "bf16"}
+    configs = {"zero3": {"stage": 3, **mixed}, "zeropp": {**ZEROPP, **mixed},
+               "zeropp_fp16": {**ZEROPP, "mixed_precision": "fp16"}}
+    return run_distributed(_train, 4, configs, STEPS, node_size=2)
+
+
+def test_zeropp_tracks_zero3_loss_over_50_steps(bf16_runs):
+    """Stated tolerance: with INT8 weights and INT4 gradients the mean loss of the last 10 steps is within 3 % of
+    ZeRO-3's and no step is more than 8 % off (at lr 3e-3 on 4-sequence batches the trajectories drift apart by a
+    few % at loss spikes even with qwZ alone); both learn (last-10 mean at least 25 % below the first loss)."""
+    zero3 = bf16_runs[0]["zero3"]["losses"]
+    tail = sum(zero3[-10:]) / 10
+    assert tail < 0.75 * zero3[0]
+    for name in ("zeropp", "zeropp_fp16"):
+        losses = bf16_runs[0][name]["losses"]
+        assert abs(sum(losses[-10:]) / 10 - tail) <= 0.03 * tail, (name, sum(losses[-10:]) / 10, tail)
+        for step, (a, b) in enumerate(zip(losses, zero3)):
+            assert abs(a - b) <= 0.08 * b, (name, step, a, b)
+
+
+def test_gradients_are_the_mean_not_node_size_times_it(bf16_runs):
+    """DeepSpeed's qgZ once divided by the node count only (D x the mean); the gradient norm pins it."""
+    zero3, zeropp = bf16_runs[0]["zero3"]["grad_norm"], bf16_runs[0]["zeropp"]["grad_norm"]
+    assert abs(zeropp - zero3) <= 0.05 * zero3, (zeropp, zero3)
+
+
+def test_cross_node_volume_is_a_quarter_of_zero3(bf16_runs):
+    """ZeRO++ Table 1 analog at world 4 = 2 nodes x 2: cross-node bytes per step ÷ ZeRO-3's <= 0.27."""
+    zero3 = bf16_runs[0]["zero3"]["step_stats"]
+    zeropp = bf16_runs[0]["zeropp"]["step_stats"]
+    ratio = zeropp["total"]["inter_node"] / zero3["total"]["inter_node"]
+    assert ratio <= 0.27, ratio
+    assert zeropp["bwd_allgather"]["inter_node"] == 0, "hpZ backward gathers must stay inside the node"
+    assert zeropp["bwd_allgather"]["intra_node"] > 0
+    assert "grad_reduce_scatter" not in zeropp, "qgZ replaced the reduce-scatter"
+    assert "qwZ int8" in zeropp["implementations"]["fwd_allgather"]
+    assert "2-hop" in zeropp["implementations"]["qgz_inter"]
+    # per collective: forward gather ~ 1/2 (INT8 vs bf16, plus scales), gradients ~ 1/4 of bf16 (INT4)
+    forward = zeropp["fwd_allgather"]["inter_node"] / zero3["fwd_allgather"]["inter_node"]
+    assert 0.5 <= forward <= 0.53, forward
+    for rank_result in bf16_runs:
+        stats = rank_result["zeropp"]["step_stats"]
+        assert stats["bwd_allgather"]["inter_node"] == 0
+
+
+def test_hpz_holds_one_node_share_of_the_weights_after_forward(bf16_runs):
+    """hpZ's memory cost: 1/k of the bf16 weights per rank between forward and backward (paper Fig. 4)."""
+    params = sum(p.numel() for p in _gpt2().parameters())
+    for rank_result in bf16_runs:
+        assert rank_result["zero3"]["gathered_after_forward"] == 0
+        held = rank_result["zeropp"]["gathered_after_forward"]
+        expected = params * 2 / 2  # bf16 bytes / k=2
+        assert abs(held - expected) <= 0.02 * expected, (held, expected)
+
+
+def _world6_run():
+    return _train({"zero3": {"stage": 3}, "zeropp": {**ZEROPP, "gradient_bits": 8}}, 6)
+
+
+def test_three_nodes_and_shards_not_divisible_by_the_world():
+    """World 6 = 3 nodes x 2: 64-wide weights split unevenly, LayerNorms are smaller than world x block size."""
+    result = run_distributed(_world6_run, 6, node_size=2)[0]
+    for a, b in zip(result["zeropp"]["losses"], result["zero3"]["losses"]):
+        assert abs(a - b) <= 0.02 * b, (a, b)
+    assert result["zeropp"]["step_stats"]["bwd_allgather"]["inter_node"] == 0
+
+
+def _schedule_run():
+    import hf_zeropp
+
+    model = _gpt2()
+    hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**ZEROPP))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    phases = []
+    settings = [None, {"quantized_weights": False, "hpz": False, "quantized_gradients": False},
+                {"quantized_gradients": True}, {"quantized_weights": True, "hpz": True}]
+    for step, setting in enumerate(settings):
+        if setting is not None:
+            hf_zeropp.set_techniques(model, **setting)
+        hf_zeropp.comm_stats(model, reset=True)
+        ids = _text_batch(step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stats = hf_zeropp.comm_stats(model, reset=True)
+        phases.append({"active": hf_zeropp.active_techniques(model),
+                       "kinds": sorted(k for k in stats if k not in ("total", "implementations")),
+                       "bwd_inter": stats.get("bwd_allgather", {}).get("inter_node", 0),
+                       "fwd": stats["implementations"]["fwd_allgather"]})
+    with torch.no_grad():  # an evaluation forward leaves hpZ's secondary shard in place until the next pass
+        model(input_ids=_text_batch(0))
+    try:
+        hf_zeropp.set_techniques(model, hpz=False)
+        phases.append({"switched": True})
+    except RuntimeError as error:
+        phases.append({"error": str(error)})
+    return phases
+
+
+def test_techniques_switch_on_and_off_between_steps():
+    phases = run_distributed(_schedule_run, 4, node_size=2)[0]
+    all_on, all_off, qgz_only, all_again = phases[:4]
+    assert all_on["kinds"] == ["bwd_allgather", "fwd_allgather", "qgz_inter", "qgz_intra"]
+    assert all_on["bwd_inter"] == 0
+    assert all_off["active"] == {"quantized_weights": False, "hpz": False, "quantized_gradients": False}
+    assert all_off["kinds"] == ["bwd_allgather", "fwd_allgather", "grad_reduce_scatter"]
+    assert all_off["bwd_inter"] > 0 and "qwZ" not in all_off["fwd"]
+    assert qgz_only["kinds"] == ["bwd_allgather", "fwd_allgather", "qgz_inter", "qgz_intra"]
+    assert all_again["active"] == {"quantized_weights": True, "hpz": True, "quantized_gradients": True}
+    assert all_again["bwd_inter"] == 0 and "qwZ" in all_again["fwd"]
+    assert "between optimizer steps" in phases[4].get("error", ""), phases[4]
+
+
+def _accumulation_run():
+    return _train({"zeropp": ZEROPP}, 3, micro_batches=2)["zeropp"]["step_stats"]
+
+
+def test_hpz_with_gradient_accumulation_regathers_across_nodes_each_micro_batch():
+    """Documented behaviour: after each backward the weights reshard to the world, so every micro-batch's forward
+    gathers across nodes again (qwZ-compressed); backward gathers stay inside the node."""
+    stats = run_distributed(_accumulation_run, 4, node_size=2)[0]
+    single = run_distributed(_single_step_run, 4, node_size=2)[0]
+    assert stats["fwd_allgather"]["inter_node"] == 2 * single["fwd_allgather"]["inter_node"]
+    assert stats["bwd_allgather"]["inter_node"] == 0
+
+
+def _single_step_run():
+    return _train({"zeropp": ZEROPP}, 2)["zeropp"]["step_stats"]
