@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
+from hf_zeropp.spawn import run_distributed
 
 TOPOLOGIES = [(2, 2), (2, 4), (4, 2), (3, 2), (1, 4)]
 SHARD = 301  # elements per rank: prime, so neither stages nor blocks divide it

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
+from hf_zeropp.spawn import run_distributed
 from tiny_models import full_parameters, make_optimizer, relative_error, tiny_gpt2, train
 
 STEPS = 20

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
+from hf_zeropp.spawn import run_distributed
 
 STEPS = 50
 SEQ = 32

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in fresh processes (one machine emulating several nodes) and collect results."""
+"""Run a function on N gloo ranks in fresh local processes — one machine emulating several nodes — and collect
+what each rank returns. Used by the tests and the measurement scripts; training jobs use torchrun instead."""
 
 from __future__ import annotations
 

@@ -1,0 +1,584 @@
+// CPU backend of hf_zeropp's block quantization (the "cpp" backend).
+//
+// hf_zeropp/kernels/reference.py is the specification and this file matches it bit for bit: fp32 arithmetic with
+// single roundings (built with -ffp-contract=off, no -ffast-math), IEEE division x / scale, round half to even,
+// and the same counter-based uniform draw for stochastic rounding. The Python dispatcher in
+// hf_zeropp/kernels/__init__.py validates arguments and allocates outputs; the functions here fill them in place.
+//
+// Work is split over (row, block) items with at::parallel_for. Inner loops are plain, branch-free loops over one
+// block (or one kChunk-sized piece of it) so that gcc vectorizes them at the baseline ISA (SSE2 / NEON): the
+// build has no -march=native because the cached extension must run on any x86-64 or aarch64 machine.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Elements per parallel task: enough to pay for handing work to another thread, so small tensors stay on the
+// calling thread.
+constexpr int64_t kGrainElements = int64_t{1} << 15;
+
+// Elements staged at a time in a stack buffer (L1-resident). Even, so a 4-bit piece never splits a byte.
+constexpr int64_t kChunk = 1024;
+
+// (v + 1.5 * 2^23) - 1.5 * 2^23 rounds |v| < 2^22 to an integer, half to even, under the default rounding mode.
+// It is exact only because the build keeps both operations (no fast-math reassociation, no contraction), and
+// unlike nearbyintf it needs no libm call, so the loop vectorizes.
+constexpr float kRoundMagic = 12582912.0f;
+
+constexpr float kTwoPowMinus24 = 0x1p-24f;
+
+template <int kBits>
+constexpr float qmax() {
+  return kBits == 8 ? 127.0f : 7.0f;
+}
+
+constexpr int64_t packed_length(int64_t length, int64_t bits) {
+  return bits == 8 ? length : (length + 1) / 2;
+}
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// Items (blocks) per task for blocks of up to `block_size` elements in rows of `length`.
+int64_t grain_blocks(int64_t length, int64_t block_size) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, std::min(block_size, length)));
+}
+
+inline uint32_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+inline float bits_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// Exact conversions to fp32. fp16 follows c10::detail::fp16_ieee_to_fp32_value (exact for every input, including
+// denormals, Inf and NaN).
+//
+// The selects here and in from_float are written as bit masks on purpose: gcc (with the default -ftrapping-math)
+// turns a ternary between floating-point results into a branch, and a branch stops the loop from vectorizing.
+inline float to_float(float v) {
+  return v;
+}
+inline float to_float(c10::BFloat16 v) {
+  return bits_float(static_cast<uint32_t>(v.x) << 16);
+}
+inline float to_float(c10::Half v) {
+  const uint32_t w = static_cast<uint32_t>(v.x) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  // Normal, Inf and NaN: rebias the exponent so that the multiply by 2^-112 lands it exactly (Inf/NaN stay so).
+  const uint32_t normalized = float_bits(bits_float((two_w >> 4) + (0xE0u << 23)) * 0x1p-112f);
+  // Zero and denormal: the mantissa as the low bits of 0.5f, then subtract 0.5 (exact).
+  const uint32_t denormalized = float_bits(bits_float((two_w >> 17) | (126u << 23)) - 0.5f);
+  const uint32_t is_denormal = 0u - static_cast<uint32_t>(two_w < (1u << 27));
+  return bits_float(sign | (denormalized & is_denormal) | (normalized & ~is_denormal));
+}
+
+// Round-to-nearest-even conversions from fp32, bit-identical to c10's (and so to torch's .to(dtype)) except that
+// every NaN becomes one canonical quiet NaN.
+template <typename Out>
+Out from_float(float v);
+
+template <>
+inline float from_float<float>(float v) {
+  return v;
+}
+
+// c10::detail::round_to_nearest_even.
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  const uint32_t u = float_bits(v);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = 0u - static_cast<uint32_t>((u & 0x7FFFFFFFu) > 0x7F800000u);
+  return c10::BFloat16(static_cast<uint16_t>((0x7FC0u & nan) | (rounded & ~nan)), c10::BFloat16::from_bits());
+}
+
+// c10::detail::fp16_ieee_from_fp32_value: the rounding is done by an fp32 add at the right exponent, overflow
+// goes to Inf through the 2^112 pre-scale.
+template <>
+inline c10::Half from_float<c10::Half>(float v) {
+  const uint32_t w = float_bits(v);
+  const float base = (bits_float(w & 0x7FFFFFFFu) * 0x1p+112f) * 0x1p-110f;
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
+  const uint32_t bits = float_bits(bits_float((bias >> 1) + 0x07800000u) + base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  const uint32_t nan = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);
+  return c10::Half(static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan)), c10::Half::from_bits());
+}
+
+// reference.uniform_from_counter in uint32 arithmetic (the reference masks its int64 products to 32 bits).
+inline uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x6A09E667u;
+  h ^= h >> 16;
+  return h;
+}
+
+inline float uniform_from_counter(uint32_t key, int64_t index) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  uint32_t h = mix32(static_cast<uint32_t>(i) ^ key);
+  h = mix32(h ^ static_cast<uint32_t>(i >> 32));
+  // h >> 8 < 2^24: the conversion and the power-of-two multiply are both exact.
+  return static_cast<float>(static_cast<int32_t>(h >> 8)) * kTwoPowMinus24;
+}
+
+inline int32_t low_nibble(uint8_t b) {
+  return ((b & 0xF) ^ 8) - 8;
+}
+
+inline int32_t high_nibble(uint8_t b) {
+  return ((b >> 4) ^ 8) - 8;
+}
+
+template <typename T>
+float block_absmax(const T* x, int64_t n) {
+  // Integer max over the bit patterns of |x|: for non-negative floats it orders like the values, and every NaN
+  // pattern lies above +Inf, so one NaN makes the block's absmax NaN as torch.amax does (fmaxf would drop it).
+  int32_t m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t a = static_cast<int32_t>(float_bits(to_float(x[j])) & 0x7FFFFFFFu);
+    m = a > m ? a : m;
+  }
+  return bits_float(static_cast<uint32_t>(m));
+}
+
+// Codes of n elements of a block with a usable (finite, non-zero) scale; element j draws counter index0 + j.
+template <int kBits, bool kStochastic, typename T>
+void quantize_span(const T* x, int64_t n, float scale, uint32_t key, int64_t index0, int8_t* q) {
+  constexpr float kQ = qmax<kBits>();
+  constexpr int32_t kQInt = static_cast<int32_t>(kQ);
+  for (int64_t j = 0; j < n; ++j) {
+    // The scale is usable, so v is finite (|v| <= ~2 * qmax when the scale is a rounded denormal).
+    const float v = to_float(x[j]) / scale;
+    int32_t code;
+    if constexpr (kStochastic) {
+      const float w = std::min(std::max(v, -kQ), kQ) + uniform_from_counter(key, index0 + j);
+      // floor(w): truncation rounds negative non-integers up, so step those down by one.
+      code = static_cast<int32_t>(w);
+      code -= static_cast<float>(code) > w;
+      // w >= -qmax, but v == qmax plus u close to 1 rounds to qmax + 1.
+      code = std::min(code, kQInt);
+    } else {
+      // Rounding commutes with clamping to the integers +-qmax, so the clamp is done on the integer: a float
+      // clamp before the rounding is turned into branches by gcc, which then cannot vectorize the loop.
+      code = static_cast<int32_t>((v + kRoundMagic) - kRoundMagic);
+      code = std::min(std::max(code, -kQInt), kQInt);
+    }
+    q[j] = static_cast<int8_t>(code);
+  }
+}
+
+// Two codes per byte: element 2i in the low nibble, 2i + 1 in the high one; an odd n leaves a zero high nibble.
+inline void pack_int4(const int8_t* q, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n / 2; ++i) {
+    out[i] = static_cast<uint8_t>((static_cast<uint8_t>(q[2 * i]) & 0xF) | (static_cast<uint8_t>(q[2 * i + 1]) << 4));
+  }
+  if (n & 1) {
+    out[n / 2] = static_cast<uint8_t>(static_cast<uint8_t>(q[n - 1]) & 0xF);
+  }
+}
+
+// Quantizes one block of n elements into `codes` (its first byte) and returns its scale. Stochastic rounding
+// numbers the block's elements from index0.
+template <int kBits, bool kStochastic, typename T>
+float quantize_block(const T* x, int64_t n, uint32_t key, int64_t index0, int8_t* codes) {
+  const float scale = block_absmax(x, n) / qmax<kBits>();
+  if (!std::isfinite(scale) || scale == 0.0f) {
+    // Zero codes: dequantization gives 0 for an all-zero block and 0 * Inf/NaN = NaN for a non-finite one.
+    std::memset(codes, 0, packed_length(n, kBits));
+    return scale;
+  }
+  if constexpr (kBits == 8) {
+    quantize_span<8, kStochastic>(x, n, scale, key, index0, codes);
+  } else {
+    int8_t staged[kChunk];
+    uint8_t* packed = reinterpret_cast<uint8_t*>(codes);
+    for (int64_t off = 0; off < n; off += kChunk) {
+      const int64_t m = std::min(kChunk, n - off);
+      quantize_span<4, kStochastic>(x + off, m, scale, key, index0 + off, staged);
+      pack_int4(staged, m, packed + off / 2);
+    }
+  }
+  return scale;
+}
+
+// Calls put(j, code * scale) for the n elements starting at a block's (or an even offset's) first code.
+template <int kBits, typename Put>
+void decode_span(const int8_t* codes, int64_t n, float scale, Put put) {
+  if constexpr (kBits == 8) {
+    for (int64_t j = 0; j < n; ++j) {
+      put(j, static_cast<float>(codes[j]) * scale);
+    }
+  } else {
+    const uint8_t* packed = reinterpret_cast<const uint8_t*>(codes);
+    for (int64_t i = 0; i < n / 2; ++i) {
+      put(2 * i, static_cast<float>(low_nibble(packed[i])) * scale);
+      put(2 * i + 1, static_cast<float>(high_nibble(packed[i])) * scale);
+    }
+    if (n & 1) {
+      put(n - 1, static_cast<float>(low_nibble(packed[n / 2])) * scale);
+    }
+  }
+}
+
+// Quantizes `rows` rows of `length` elements of x. Output row r reads row source_row(r) of x, whose elements
+// also give the stochastic counter (source_row(r) * length + column): the identity for quantize, the ZeRO++
+// reorder for swizzle_quantize, fused so that no reordered copy is ever made.
+template <int kBits, bool kStochastic, typename T, typename SourceRow>
+void quantize_rows(const T* x, int64_t rows, int64_t length, int64_t block_size, uint32_t key, SourceRow source_row,
+                   int8_t* codes, float* scales) {
+  const int64_t nb = ceil_div(length, block_size);
+  const int64_t lc = packed_length(length, kBits);
+  at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / nb;
+      const int64_t col = (item % nb) * block_size;
+      const int64_t src = source_row(r) * length + col;
+      scales[item] = quantize_block<kBits, kStochastic>(x + src, std::min(block_size, length - col), key, src,
+                                                        codes + r * lc + packed_length(col, kBits));
+    }
+  });
+}
+
+template <int kBits, typename Out>
+void dequantize_rows(const int8_t* codes, const float* scales, int64_t rows, int64_t length, int64_t block_size,
+                     Out* out) {
+  const int64_t nb = ceil_div(length, block_size);
+  const int64_t lc = packed_length(length, kBits);
+  at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / nb;
+      const int64_t col = (item % nb) * block_size;
+      Out* o = out + r * length + col;
+      decode_span<kBits>(codes + r * lc + packed_length(col, kBits), std::min(block_size, length - col), scales[item],
+                         [o](int64_t j, float v) { o[j] = from_float<Out>(v); });
+    }
+  });
+}
+
+// Sum over the k inputs (codes (k, rows, lc), scales (k, rows, nb)) of n elements of one block into acc, adding in
+// input order ((x0 + x1) + x2) + ...
+template <int kBits>
+void decode_sum(const int8_t* codes, const float* scales, int64_t k, int64_t input_codes, int64_t input_scales,
+                int64_t code_offset, int64_t item, int64_t n, float* acc) {
+  decode_span<kBits>(codes + code_offset, n, scales[item], [acc](int64_t j, float v) { acc[j] = v; });
+  for (int64_t i = 1; i < k; ++i) {
+    decode_span<kBits>(codes + i * input_codes + code_offset, n, scales[i * input_scales + item],
+                       [acc](int64_t j, float v) { acc[j] = acc[j] + v; });
+  }
+}
+
+template <int kInBits, int kOutBits, bool kStochastic>
+void dequant_reduce_quant_rows(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length,
+                               int64_t block_size, uint32_t key, int8_t* out_codes, float* out_scales) {
+  const int64_t nb = ceil_div(length, block_size);
+  const int64_t lc_in = packed_length(length, kInBits);
+  const int64_t lc_out = packed_length(length, kOutBits);
+  at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
+    // The whole block's sum is needed before its absmax is known.
+    std::vector<float> acc(static_cast<size_t>(std::min(block_size, length)));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / nb;
+      const int64_t col = (item % nb) * block_size;
+      const int64_t n = std::min(block_size, length - col);
+      decode_sum<kInBits>(codes, scales, k, rows * lc_in, rows * nb, r * lc_in + packed_length(col, kInBits), item,
+                          n, acc.data());
+      out_scales[item] = quantize_block<kOutBits, kStochastic>(acc.data(), n, key, r * length + col,
+                                                               out_codes + r * lc_out + packed_length(col, kOutBits));
+    }
+  });
+}
+
+template <int kBits, typename Out>
+void dequant_reduce_rows(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length,
+                         int64_t block_size, float scale, Out* out) {
+  const int64_t nb = ceil_div(length, block_size);
+  const int64_t lc = packed_length(length, kBits);
+  at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
+    float acc[kChunk];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / nb;
+      const int64_t col = (item % nb) * block_size;
+      const int64_t n = std::min(block_size, length - col);
+      Out* o = out + r * length + col;
+      for (int64_t off = 0; off < n; off += kChunk) {
+        const int64_t m = std::min(kChunk, n - off);
+        decode_sum<kBits>(codes, scales, k, rows * lc, rows * nb, r * lc + packed_length(col + off, kBits), item, m,
+                          acc);
+        for (int64_t j = 0; j < m; ++j) {
+          o[off + j] = from_float<Out>(acc[j] * scale);
+        }
+      }
+    }
+  });
+}
+
+// ---- dispatch from runtime values to the template instantiations ----
+
+template <typename F>
+void dispatch_float_type(const at::Tensor& t, const char* name, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return f(float{});
+    case at::kHalf:
+      return f(c10::Half{});
+    case at::kBFloat16:
+      return f(c10::BFloat16{});
+    default:
+      TORCH_INTERNAL_ASSERT(false, name, " has dtype ", t.scalar_type(), "; check_float_dtype should have refused it");
+  }
+}
+
+template <typename F>
+void dispatch_bits(int64_t bits, F&& f) {
+  if (bits == 8) {
+    f(std::integral_constant<int, 8>{});
+  } else {
+    f(std::integral_constant<int, 4>{});
+  }
+}
+
+template <typename F>
+void dispatch_bool(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// ---- argument checks ----
+
+void check_tensor(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimension(s), got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+void check_float_dtype(const at::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, name,
+              " must be float32, float16 or bfloat16, got ", dtype);
+}
+
+void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected) {
+  TORCH_CHECK(t.sizes() == expected, name, " has shape ", t.sizes(), ", expected ", expected);
+}
+
+void check_format(int64_t bits, int64_t block_size, const char* bits_name = "bits") {
+  TORCH_CHECK(bits == 8 || bits == 4, bits_name, " must be 8 or 4, got ", bits);
+  TORCH_CHECK(block_size >= 1, "block_size must be positive, got ", block_size);
+  TORCH_CHECK(bits == 8 || block_size % 2 == 0, "block_size must be even for 4-bit codes (a byte may not straddle ",
+              "two blocks), got ", block_size);
+}
+
+// Checks a (k, rows, ·) stack of quantized inputs with rows of `length` elements.
+void check_stacked_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
+                         int64_t length) {
+  check_tensor(codes, "codes", 3);
+  check_tensor(scales, "scales", 3);
+  check_dtype(codes, "codes", at::kChar);
+  check_dtype(scales, "scales", at::kFloat);
+  TORCH_CHECK(codes.size(0) >= 1, "codes must stack at least one input (k >= 1)");
+  check_shape(codes, "codes", {codes.size(0), codes.size(1), packed_length(length, bits)});
+  check_shape(scales, "scales", {codes.size(0), codes.size(1), ceil_div(length, block_size)});
+}
+
+uint32_t stochastic_key(int64_t seed) {
+  return mix32(static_cast<uint32_t>(seed));
+}
+
+// ---- exported functions ----
+
+void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+               const at::Tensor& codes, const at::Tensor& scales) {
+  check_format(bits, block_size);
+  check_tensor(x, "x", 2);
+  check_tensor(codes, "codes", 2);
+  check_tensor(scales, "scales", 2);
+  check_float_dtype(x, "x");
+  check_dtype(codes, "codes", at::kChar);
+  check_dtype(scales, "scales", at::kFloat);
+  const int64_t rows = x.size(0);
+  const int64_t length = x.size(1);
+  check_shape(codes, "codes", {rows, packed_length(length, bits)});
+  check_shape(scales, "scales", {rows, ceil_div(length, block_size)});
+  if (x.numel() == 0) {
+    return;
+  }
+  dispatch_float_type(x, "x", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_bits(bits, [&](auto b) {
+      dispatch_bool(stochastic, [&](auto s) {
+        quantize_rows<decltype(b)::value, decltype(s)::value>(
+            x.const_data_ptr<T>(), rows, length, block_size, stochastic_key(seed), [](int64_t r) { return r; },
+            codes.mutable_data_ptr<int8_t>(), scales.mutable_data_ptr<float>());
+      });
+    });
+  });
+}
+
+void dequantize_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
+                 const at::Tensor& out) {
+  check_format(bits, block_size);
+  check_tensor(codes, "codes", 2);
+  check_tensor(scales, "scales", 2);
+  check_tensor(out, "out", 2);
+  check_dtype(codes, "codes", at::kChar);
+  check_dtype(scales, "scales", at::kFloat);
+  check_float_dtype(out, "out");
+  const int64_t rows = out.size(0);
+  const int64_t length = out.size(1);
+  check_shape(codes, "codes", {rows, packed_length(length, bits)});
+  check_shape(scales, "scales", {rows, ceil_div(length, block_size)});
+  if (out.numel() == 0) {
+    return;
+  }
+  dispatch_float_type(out, "out", [&](auto tag) {
+    using Out = decltype(tag);
+    dispatch_bits(bits, [&](auto b) {
+      dequantize_rows<decltype(b)::value>(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), rows,
+                                          length, block_size, out.mutable_data_ptr<Out>());
+    });
+  });
+}
+
+void swizzle_quantize_(const at::Tensor& x, int64_t nodes, int64_t node_size, int64_t stages, int64_t bits,
+                       int64_t block_size, bool stochastic, int64_t seed, const at::Tensor& codes, const at::Tensor& scales) {
+  check_format(bits, block_size);
+  TORCH_CHECK(nodes >= 1 && node_size >= 1 && stages >= 1, "nodes, node_size and stages must be positive, got ",
+              nodes, ", ", node_size, ", ", stages);
+  check_tensor(x, "x", 1);
+  check_tensor(codes, "codes", 2);
+  check_tensor(scales, "scales", 2);
+  check_float_dtype(x, "x");
+  check_dtype(codes, "codes", at::kChar);
+  check_dtype(scales, "scales", at::kFloat);
+  const int64_t slices = nodes * node_size * stages;
+  TORCH_CHECK(x.numel() % slices == 0, "x has ", x.numel(), " elements, not divisible by nodes*node_size*stages = ",
+              slices);
+  const int64_t length = x.numel() / slices;
+  check_shape(codes, "codes", {slices, packed_length(length, bits)});
+  check_shape(scales, "scales", {slices, ceil_div(length, block_size)});
+  if (length == 0) {
+    return;
+  }
+  // Destination row (s * node_size + d) * nodes + m holds source slice (m * node_size + d) * stages + s
+  // (reference.swizzle_source_slices).
+  auto source_row = [=](int64_t r) {
+    const int64_t m = r % nodes;
+    const int64_t d = (r / nodes) % node_size;
+    const int64_t s = r / (nodes * node_size);
+    return (m * node_size + d) * stages + s;
+  };
+  dispatch_float_type(x, "x", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_bits(bits, [&](auto b) {
+      dispatch_bool(stochastic, [&](auto s) {
+        quantize_rows<decltype(b)::value, decltype(s)::value>(
+            x.const_data_ptr<T>(), slices, length, block_size, stochastic_key(seed), source_row,
+            codes.mutable_data_ptr<int8_t>(), scales.mutable_data_ptr<float>());
+      });
+    });
+  });
+}
+
+void dequant_reduce_quant_(const at::Tensor& codes, const at::Tensor& scales, int64_t in_bits, int64_t block_size,
+                           int64_t length, int64_t out_bits, bool stochastic, int64_t seed, const at::Tensor& out_codes,
+                           const at::Tensor& out_scales) {
+  check_format(in_bits, block_size, "in_bits");
+  check_format(out_bits, block_size, "out_bits");
+  TORCH_CHECK(length >= 0, "length must be non-negative, got ", length);
+  check_stacked_codes(codes, scales, in_bits, block_size, length);
+  check_tensor(out_codes, "out_codes", 2);
+  check_tensor(out_scales, "out_scales", 2);
+  check_dtype(out_codes, "out_codes", at::kChar);
+  check_dtype(out_scales, "out_scales", at::kFloat);
+  const int64_t k = codes.size(0);
+  const int64_t rows = codes.size(1);
+  check_shape(out_codes, "out_codes", {rows, packed_length(length, out_bits)});
+  check_shape(out_scales, "out_scales", {rows, ceil_div(length, block_size)});
+  if (rows == 0 || length == 0) {
+    return;
+  }
+  dispatch_bits(in_bits, [&](auto in) {
+    dispatch_bits(out_bits, [&](auto out) {
+      dispatch_bool(stochastic, [&](auto s) {
+        dequant_reduce_quant_rows<decltype(in)::value, decltype(out)::value, decltype(s)::value>(
+            codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), k, rows, length, block_size,
+            stochastic_key(seed), out_codes.mutable_data_ptr<int8_t>(), out_scales.mutable_data_ptr<float>());
+      });
+    });
+  });
+}
+
+void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
+                     double scale, const at::Tensor& out) {
+  check_format(bits, block_size);
+  check_tensor(out, "out", 2);
+  check_float_dtype(out, "out");
+  const int64_t rows = out.size(0);
+  const int64_t length = out.size(1);
+  check_stacked_codes(codes, scales, bits, block_size, length);
+  TORCH_CHECK(codes.size(1) == rows, "codes have ", codes.size(1), " rows but out has ", rows);
+  if (out.numel() == 0) {
+    return;
+  }
+  dispatch_float_type(out, "out", [&](auto tag) {
+    using Out = decltype(tag);
+    dispatch_bits(bits, [&](auto b) {
+      // The reference multiplies by torch.tensor(scale, dtype=float32): the factor is rounded to fp32 first.
+      dequant_reduce_rows<decltype(b)::value>(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
+                                              codes.size(0), rows, length, block_size, static_cast<float>(scale),
+                                              out.mutable_data_ptr<Out>());
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hf_zeropp block quantization kernels for the CPU (see hf_zeropp/kernels/reference.py)";
+  // The kernels touch no Python objects; releasing the GIL lets other Python threads (e.g. communication) run.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("quantize_", &quantize_, "x (rows, L) -> codes (rows, Lc) int8, scales (rows, nb) fp32, in place",
+        py::arg("x"), py::arg("bits"), py::arg("block_size"), py::arg("stochastic"), py::arg("seed"),
+        py::arg("codes"), py::arg("scales"), no_gil);
+  m.def("dequantize_", &dequantize_, "codes, scales -> out (rows, L) as code * scale, in place", py::arg("codes"),
+        py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("out"), no_gil);
+  m.def("swizzle_quantize_", &swizzle_quantize_, "ZeRO++ reorder of flat x fused with quantize, in place",
+        py::arg("x"), py::arg("nodes"), py::arg("node_size"), py::arg("stages"), py::arg("bits"),
+        py::arg("block_size"), py::arg("stochastic"), py::arg("seed"), py::arg("codes"), py::arg("scales"), no_gil);
+  m.def("dequant_reduce_quant_", &dequant_reduce_quant_,
+        "k quantized inputs -> fp32 sum in input order -> requantized with out_bits, in place", py::arg("codes"),
+        py::arg("scales"), py::arg("in_bits"), py::arg("block_size"), py::arg("length"), py::arg("out_bits"),
+        py::arg("stochastic"), py::arg("seed"), py::arg("out_codes"), py::arg("out_scales"), no_gil);
+  m.def("dequant_reduce_", &dequant_reduce_, "k quantized inputs -> fp32 sum in input order * scale -> out, in place",
+        py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("scale"),
+        py::arg("out"), no_gil);
+}

@@ -1,0 +1,682 @@
+// CUDA kernels for symmetric block quantization; the format and every rounding follow
+// hf_zeropp/kernels/reference.py bit for bit.
+//
+// Work decomposition. A row of `length` elements holds nb = ceil(length / block_size) quantization blocks, each cut
+// into tiles of at most G * C * 8 elements. A group of G threads (a slice of a warp, a warp, or a whole CTA) owns a
+// tile; each thread holds C chunks of 8 consecutive elements in registers, chunk c of lane l starting (c * G + l) * 8
+// elements into the tile so that a warp's accesses are contiguous. Chunks start at multiples of 8 from the block start:
+// a chunk never straddles two blocks, and a 4-bit chunk is whole bytes (block sizes are even for 4 bits).
+// G and C are picked from the block size so that a block up to kMaxFusedBlock elements is a single tile: its absmax,
+// scale and codes come from one read of the input, and the values stay in registers in between. Larger blocks (the
+// "one block per row" mode) would leave most SMs idle as one tile, so they are cut into tiles of kSplitTile elements
+// and quantized in three passes: absmax by atomicMax into the scales buffer, quantization, absmax -> scale; the input is
+// read twice.
+//
+// Vector access. A full chunk at a suitably aligned address moves as 16-byte (values), 8-byte (int8 codes) or 4-byte
+// (int4 codes) accesses; any other chunk (odd row lengths, block sizes that are not a multiple of 8, row tails) moves
+// element by element. The check is per chunk, so nothing is assumed about the caller's alignment.
+//
+// Exactness. Conversions are the round-to-nearest intrinsics, every product, sum and quotient a single rounding
+// (__fmul_rn, __fadd_rn, __fdiv_rn; the file is also built with --fmad=false). A block's absmax is the unsigned maximum
+// of its values' bit patterns with the sign bit cleared: that orders non-negative floats as fmaxf would, but every NaN
+// pattern exceeds +inf's, so a NaN wins as it does in torch.amax (fmaxf would drop it).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "quant_kernels.h"
+
+namespace hf_zeropp {
+namespace {
+
+constexpr int kChunk = 8;                          // elements per chunk
+constexpr int kMaxFusedGroup = 512;                // threads per group of the largest single-tile shape
+constexpr int kChunksPerThread = 4;                // C of the multi-warp shapes
+constexpr int64_t kMaxFusedBlock = int64_t(kMaxFusedGroup) * kChunksPerThread * kChunk;
+constexpr int kSplitGroup = 256;                   // G of the split (multi-tile block) path
+constexpr int64_t kSplitTile = int64_t(kSplitGroup) * kChunksPerThread * kChunk;
+constexpr int64_t kDequantTile = 32 * 2 * kChunk;  // largest tile of dequantization (shape 32 x 2)
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t packed_length(int64_t length, int bits) { return bits == 8 ? length : (length + 1) / 2; }
+
+__host__ __device__ __forceinline__ uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x6A09E667u;
+  h ^= h >> 16;
+  return h;
+}
+
+// U[0, 1) for an element index, as reference.uniform_from_counter; key = mix32(lo32(seed)).
+__device__ __forceinline__ float uniform(uint32_t key, int64_t index) {
+  uint32_t h = mix32(static_cast<uint32_t>(index) ^ key);
+  h = mix32(h ^ static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
+  return __fmul_rn(__uint2float_rn(h >> 8), 5.9604644775390625e-08f);  // exact: (h >> 8) < 2**24, times 2**-24
+}
+
+// 64-bit division is a long software sequence; tile and row numbers nearly always fit 32 bits.
+__device__ __forceinline__ int64_t div_nonneg(int64_t a, int64_t b) {
+  const uint64_t ua = static_cast<uint64_t>(a), ub = static_cast<uint64_t>(b);
+  if (((ua | ub) >> 32) == 0) return static_cast<uint32_t>(ua) / static_cast<uint32_t>(ub);
+  return static_cast<int64_t>(ua / ub);
+}
+
+__device__ __forceinline__ int chunk_count(int n, int offset) {
+  const int left = n - offset;
+  return left <= 0 ? 0 : (left < kChunk ? left : kChunk);
+}
+
+template <unsigned kBytes, typename T>
+__device__ __forceinline__ bool is_aligned(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & (kBytes - 1)) == 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Element conversion and chunk access
+
+template <typename T>
+struct Convert;
+
+template <>
+struct Convert<float> {
+  static __device__ __forceinline__ float to_float(float v) { return v; }
+  static __device__ __forceinline__ float from_float(float v) { return v; }
+};
+
+template <>
+struct Convert<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+  static __device__ __forceinline__ float bits_to_float(uint32_t b) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  }
+  static __device__ __forceinline__ uint32_t float_to_bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+
+template <>
+struct Convert<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  static __device__ __forceinline__ float bits_to_float(uint32_t b) {
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+  }
+  static __device__ __forceinline__ uint32_t float_to_bits(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+};
+
+// v <- the first cnt elements at p as fp32; zeros past cnt, which never change a block's absmax.
+template <typename T>
+__device__ __forceinline__ void load_values(const T* p, int cnt, float v[kChunk]) {
+  if (cnt == kChunk && is_aligned<16>(p)) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 a = reinterpret_cast<const float4*>(p)[0];
+      const float4 b = reinterpret_cast<const float4*>(p)[1];
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+      v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+      const uint4 raw = *reinterpret_cast<const uint4*>(p);
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // little endian: the lower half of a word is the lower address
+        v[2 * i] = Convert<T>::bits_to_float(words[i] & 0xFFFFu);
+        v[2 * i + 1] = Convert<T>::bits_to_float(words[i] >> 16);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) v[j] = j < cnt ? Convert<T>::to_float(p[j]) : 0.0f;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_values(T* p, int cnt, const float v[kChunk]) {
+  if (cnt == kChunk && is_aligned<16>(p)) {
+    if constexpr (sizeof(T) == 4) {
+      reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      uint32_t words[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        words[i] = Convert<T>::float_to_bits(v[2 * i]) | (Convert<T>::float_to_bits(v[2 * i + 1]) << 16);
+      }
+      *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      if (j < cnt) p[j] = Convert<T>::from_float(v[j]);
+    }
+  }
+}
+
+// q <- the chunk's first cnt codes, zeros past cnt. p points at the chunk's first byte: with 4 bits, element 2i is
+// the low and 2i + 1 the high nibble of byte i.
+__device__ __forceinline__ void load_codes(const int8_t* p, int bits, int cnt, int q[kChunk]) {
+  if (bits == 8) {
+    if (cnt == kChunk && is_aligned<8>(p)) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // shift the byte to the top, then sign-extend it back down
+        q[j] = static_cast<int32_t>(w.x << (24 - 8 * j)) >> 24;
+        q[j + 4] = static_cast<int32_t>(w.y << (24 - 8 * j)) >> 24;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) q[j] = j < cnt ? p[j] : 0;
+    }
+  } else {
+    uint32_t w = 0;
+    if (cnt == kChunk && is_aligned<4>(p)) {
+      w = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kChunk / 2; ++i) {
+        if (2 * i < cnt) w |= static_cast<uint32_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) q[j] = j < cnt ? static_cast<int32_t>(w << (28 - 4 * j)) >> 28 : 0;
+  }
+}
+
+// Stores the chunk's first cnt codes (q is zero past cnt, so an odd row's last byte gets a zero high nibble).
+__device__ __forceinline__ void store_codes(int8_t* p, int bits, int cnt, const int q[kChunk]) {
+  if (bits == 8) {
+    if (cnt == kChunk && is_aligned<8>(p)) {
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        lo |= (static_cast<uint32_t>(q[j]) & 0xFFu) << (8 * j);
+        hi |= (static_cast<uint32_t>(q[j + 4]) & 0xFFu) << (8 * j);
+      }
+      *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        if (j < cnt) p[j] = static_cast<int8_t>(q[j]);
+      }
+    }
+  } else {
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) w |= (static_cast<uint32_t>(q[j]) & 0xFu) << (4 * j);
+    if (cnt == kChunk && is_aligned<4>(p)) {
+      *reinterpret_cast<uint32_t*>(p) = w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kChunk / 2; ++i) {
+        if (2 * i < cnt) p[i] = static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * i)));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Rounding
+
+struct Quantizer {
+  float qmax;
+  bool stochastic;
+  uint32_t key;  // mix32(lo32(seed))
+
+  // Codes of a chunk whose first element has stochastic-rounding index `index`. An unusable block (scale zero, NaN
+  // or infinite) and the elements past cnt get code 0.
+  __device__ __forceinline__ void operator()(const float v[kChunk], int cnt, float scale, bool usable, int64_t index,
+                                             int q[kChunk]) const {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      float r = 0.0f;
+      if (usable && j < cnt) {
+        r = fminf(fmaxf(__fdiv_rn(v[j], scale), -qmax), qmax);
+        if (stochastic) {
+          r = fminf(fmaxf(floorf(__fadd_rn(r, uniform(key, index + j))), -qmax), qmax);
+        } else {
+          r = rintf(r);  // half to even, as torch.round
+        }
+      }
+      q[j] = __float2int_rn(r);  // r is integral: exact
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tiles and groups
+
+struct TileGrid {
+  int64_t length;           // elements per row
+  int64_t block_size;       // never more than length (a longer block is the whole row)
+  int64_t blocks_per_row;
+  int64_t tiles_per_block;  // 1 unless the block is split
+  int64_t tiles_per_row;
+  int64_t tiles;
+};
+
+TileGrid make_grid(int64_t rows, int64_t length, int64_t block_size, int64_t tile) {
+  TileGrid g;
+  g.length = length;
+  g.block_size = block_size;
+  g.blocks_per_row = ceil_div(length, block_size);
+  g.tiles_per_block = ceil_div(block_size, tile);
+  g.tiles_per_row = g.blocks_per_row * g.tiles_per_block;
+  g.tiles = rows * g.tiles_per_row;
+  return g;
+}
+
+struct Tile {
+  int64_t row;
+  int64_t block;
+  int64_t col;  // first element, within the row
+  int n;        // elements; 0 for the empty trailing tiles of a split tail block
+};
+
+template <int kTile>
+__device__ __forceinline__ Tile locate(const TileGrid& g, int64_t t) {
+  Tile tile;
+  tile.row = div_nonneg(t, g.tiles_per_row);
+  const int64_t in_row = t - tile.row * g.tiles_per_row;
+  int64_t segment = 0;
+  tile.block = in_row;
+  if (g.tiles_per_block > 1) {
+    tile.block = div_nonneg(in_row, g.tiles_per_block);
+    segment = in_row - tile.block * g.tiles_per_block;
+  }
+  const int64_t block_start = tile.block * g.block_size;
+  const int64_t block_end = block_start + g.block_size < g.length ? block_start + g.block_size : g.length;
+  tile.col = block_start + segment * kTile;
+  const int64_t left = block_end - tile.col;
+  tile.n = left <= 0 ? 0 : static_cast<int>(left < kTile ? left : kTile);
+  return tile;
+}
+
+// A group of G threads owns a tile. Groups of up to a warp share 256-thread CTAs; a larger group is its own CTA.
+template <int G>
+struct Group {
+  static_assert(G >= 1 && G <= 1024 && (G & (G - 1)) == 0, "group sizes are powers of two");
+  static constexpr int kCta = G > 32 ? G : 256;
+  static constexpr int kPerCta = kCta / G;
+};
+
+// Maximum over the group. Sub-warp groups shuffle under their own lane mask, so neighbouring groups of the same warp
+// may be on other tiles (or done) without breaking the shuffle.
+template <int G>
+__device__ __forceinline__ uint32_t group_max(uint32_t v) {
+  constexpr int kWidth = G < 32 ? G : 32;
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned mask = kWidth == 32 ? 0xFFFFFFFFu : ((1u << kWidth) - 1u) << (lane & ~(kWidth - 1u));
+#pragma unroll
+  for (int offset = kWidth / 2; offset > 0; offset /= 2) v = max(v, __shfl_xor_sync(mask, v, offset, kWidth));
+  if constexpr (G > 32) {
+    __shared__ uint32_t warp_max[G / 32];
+    __syncthreads();  // the previous tile's readers are done with warp_max
+    if (lane == 0) warp_max[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < G / 32; ++w) v = max(v, warp_max[w]);
+  }
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sources: what a tile's fp32 values are read from
+
+// A plain float tensor (rows, length). Output row (s * node_size + d) * nodes + m reads source row
+// (m * node_size + d) * stages + s; node_size = stages = 1 makes that the identity (plain quantization).
+template <typename T>
+struct DenseSource {
+  const T* x;
+  int64_t length;
+  int64_t nodes;
+  int64_t node_size;
+  int64_t stages;
+
+  __device__ __forceinline__ int64_t source_row(int64_t row) const {
+    if (node_size == 1 && stages == 1) return row;
+    const int64_t slot = div_nonneg(row, nodes);  // s * node_size + d
+    const int64_t m = row - slot * nodes;
+    const int64_t s = div_nonneg(slot, node_size);
+    const int64_t d = slot - s * node_size;
+    return (m * node_size + d) * stages + s;
+  }
+
+  template <int G, int C>
+  __device__ __forceinline__ void load(int64_t src_row, int64_t /*block*/, int64_t col, int n, int lane,
+                                       float v[C][kChunk]) const {
+    const T* p = x + src_row * length + col;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int offset = (c * G + lane) * kChunk;
+      load_values(p + offset, chunk_count(n, offset), v[c]);
+    }
+  }
+};
+
+// The fp32 sum, in input order ((x0 + x1) + x2) + ..., of k dequantized inputs stacked as codes (k, rows, packed)
+// and scales (k, rows, blocks_per_row).
+struct ReduceSource {
+  const int8_t* codes;
+  const float* scales;
+  int64_t k;
+  int64_t packed;
+  int64_t blocks_per_row;
+  int64_t code_stride;   // rows * packed: from one input to the next
+  int64_t scale_stride;  // rows * blocks_per_row
+  int bits;
+
+  __device__ __forceinline__ int64_t source_row(int64_t row) const { return row; }
+
+  template <int G, int C, bool kFirst>
+  __device__ __forceinline__ void accumulate(const int8_t* p, float scale, int n, int lane, float v[C][kChunk]) const {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int offset = (c * G + lane) * kChunk;
+      int q[kChunk];
+      load_codes(p + (bits == 8 ? offset : offset / 2), bits, chunk_count(n, offset), q);
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const float value = __fmul_rn(__int2float_rn(q[j]), scale);
+        v[c][j] = kFirst ? value : __fadd_rn(v[c][j], value);  // starting from x0, not 0 + x0, keeps -0.0
+      }
+    }
+  }
+
+  template <int G, int C>
+  __device__ __forceinline__ void load(int64_t row, int64_t block, int64_t col, int n, int lane,
+                                       float v[C][kChunk]) const {
+    const int8_t* p = codes + row * packed + (bits == 8 ? col : col / 2);  // col is even with 4 bits
+    const float* s = scales + row * blocks_per_row + block;
+    accumulate<G, C, true>(p, *s, n, lane, v);
+    // Unrolled so that several inputs' loads are in flight at once: a thread's own chunks are only a few bytes.
+#pragma unroll 4
+    for (int64_t i = 1; i < k; ++i) {
+      p += code_stride;
+      s += scale_stride;
+      accumulate<G, C, false>(p, *s, n, lane, v);
+    }
+    // 0 * scale is NaN for a NaN or infinite scale: reset the padding past the tile to zero.
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        if ((c * G + lane) * kChunk + j >= n) v[c][j] = 0.0f;
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Kernels
+
+struct QuantTarget {
+  int8_t* codes;   // (rows, packed)
+  float* scales;   // (rows, blocks_per_row)
+  int64_t packed;
+  int bits;
+  Quantizer quantizer;
+};
+
+// kFused: a tile is a whole block; absmax, scale and codes in one pass.
+// kAbsmax / kApply: the split path. kAbsmax leaves each block's absmax (as bits) in its scale slot, which must start
+// at zero; kApply reads it back and writes the codes; absmax_to_scale_kernel then turns the slots into scales.
+enum class Pass { kFused, kAbsmax, kApply };
+
+template <class Source, int G, int C, Pass kPass>
+__global__ void __launch_bounds__(Group<G>::kCta)
+    quantize_kernel(const Source src, const QuantTarget out, const TileGrid grid) {
+  constexpr int kTile = G * C * kChunk;
+  const int lane = static_cast<int>(threadIdx.x) % G;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * Group<G>::kPerCta;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G; t < grid.tiles;
+       t += stride) {
+    const Tile tile = locate<kTile>(grid, t);
+    if (tile.n == 0) continue;  // uniform over the group
+    const int64_t src_row = src.source_row(tile.row);
+    float v[C][kChunk];
+    src.template load<G, C>(src_row, tile.block, tile.col, tile.n, lane, v);
+    float* slot = out.scales + tile.row * grid.blocks_per_row + tile.block;
+
+    float absmax;
+    if constexpr (kPass == Pass::kApply) {
+      absmax = *slot;
+    } else {
+      uint32_t bits = 0;
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) bits = max(bits, __float_as_uint(v[c][j]) & 0x7FFFFFFFu);
+      }
+      bits = group_max<G>(bits);
+      if constexpr (kPass == Pass::kAbsmax) {
+        if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(slot), bits);
+        continue;
+      }
+      absmax = __uint_as_float(bits);
+    }
+    const float scale = __fdiv_rn(absmax, out.quantizer.qmax);
+    if (kPass == Pass::kFused && lane == 0) *slot = scale;
+    const bool usable = scale != 0.0f && isfinite(scale);
+
+    const int64_t index = src_row * grid.length + tile.col;  // the element's flat position in the source
+    int8_t* codes = out.codes + tile.row * out.packed;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int offset = (c * G + lane) * kChunk;
+      const int cnt = chunk_count(tile.n, offset);
+      if (cnt == 0) continue;
+      int q[kChunk];
+      out.quantizer(v[c], cnt, scale, usable, index + offset, q);
+      const int64_t col = tile.col + offset;
+      store_codes(codes + (out.bits == 8 ? col : col / 2), out.bits, cnt, q);
+    }
+  }
+}
+
+__global__ void absmax_to_scale_kernel(float* scales, int64_t count, float qmax) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    scales[i] = __fdiv_rn(scales[i], qmax);
+  }
+}
+
+// out = (sum of the source's inputs) * post_scale, cast with round-to-nearest-even.
+template <typename OutT, int G, int C>
+__global__ void __launch_bounds__(Group<G>::kCta)
+    dequant_kernel(const ReduceSource src, OutT* __restrict__ out, const float post_scale, const TileGrid grid) {
+  constexpr int kTile = G * C * kChunk;
+  const int lane = static_cast<int>(threadIdx.x) % G;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * Group<G>::kPerCta;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G; t < grid.tiles;
+       t += stride) {
+    const Tile tile = locate<kTile>(grid, t);
+    if (tile.n == 0) continue;
+    float v[C][kChunk];
+    src.load<G, C>(tile.row, tile.block, tile.col, tile.n, lane, v);
+    OutT* p = out + tile.row * grid.length + tile.col;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int offset = (c * G + lane) * kChunk;
+      const int cnt = chunk_count(tile.n, offset);
+      if (cnt == 0) continue;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) v[c][j] = __fmul_rn(v[c][j], post_scale);
+      store_values(p + offset, cnt, v[c]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host side
+
+template <int G, int C>
+struct Shape {
+  static constexpr int kG = G;
+  static constexpr int kC = C;
+};
+
+// The smallest shape whose tile holds a block of block_size <= kLargest elements: two chunks per thread up to a warp's
+// worth of 8-element chunks, then four, then multi-warp groups of four. Two or four chunks keep 32-64 bytes of loads
+// in flight per thread, which a memory-bound kernel needs at the occupancy its registers allow. kLargest bounds the
+// shapes that get instantiated.
+template <int64_t kLargest, class Fn>
+cudaError_t with_block_shape(int64_t block_size, Fn&& fn) {
+  const int64_t chunks = ceil_div(block_size, kChunk);
+  if (chunks <= 1) return fn(Shape<1, 1>{});
+  if (chunks <= 2) return fn(Shape<1, 2>{});
+  if (chunks <= 4) return fn(Shape<2, 2>{});
+  if (chunks <= 8) return fn(Shape<4, 2>{});
+  if (chunks <= 16) return fn(Shape<8, 2>{});
+  if (chunks <= 32) return fn(Shape<16, 2>{});
+  if constexpr (kLargest <= 64 * kChunk) {
+    return fn(Shape<32, 2>{});
+  } else {
+    if (chunks <= 64) return fn(Shape<32, 2>{});
+    if (chunks <= 128) return fn(Shape<32, 4>{});
+    if (chunks <= 256) return fn(Shape<64, 4>{});
+    if (chunks <= 512) return fn(Shape<128, 4>{});
+    if (chunks <= 1024) return fn(Shape<256, 4>{});
+    return fn(Shape<kMaxFusedGroup, kChunksPerThread>{});
+  }
+}
+
+using SplitShape = Shape<kSplitGroup, kChunksPerThread>;
+
+// Two waves of CTAs at full occupancy keep every SM busy; the grid-stride loops cover the remaining tiles.
+unsigned grid_size(int64_t work_items, int items_per_cta, int cta_threads) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+    sms = 1;
+  }
+  const int64_t cap = int64_t(sms) * (2048 / cta_threads) * 2;
+  const int64_t needed = ceil_div(work_items, items_per_cta);
+  return static_cast<unsigned>(needed < cap ? (needed > 0 ? needed : 1) : cap);
+}
+
+template <class Shape_, class Kernel, class... Args>
+cudaError_t launch_tiles(Kernel kernel, const TileGrid& grid, cudaStream_t stream, const Args&... args) {
+  using G = Group<Shape_::kG>;
+  kernel<<<grid_size(grid.tiles, G::kPerCta, G::kCta), G::kCta, 0, stream>>>(args..., grid);
+  return cudaGetLastError();
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+template <class Fn>
+cudaError_t with_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::F32: return fn(TypeTag<float>{});
+    case DType::F16: return fn(TypeTag<__half>{});
+    case DType::BF16: return fn(TypeTag<__nv_bfloat16>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <class Source>
+cudaError_t run_quantize(const Source& src, int64_t rows, int64_t length, int bits, int64_t block_size,
+                         bool stochastic, int64_t seed, int8_t* codes, float* scales, cudaStream_t stream) {
+  if (rows <= 0 || length <= 0) return cudaSuccess;
+  const float qmax = bits == 8 ? 127.0f : 7.0f;
+  const int64_t block = block_size < length ? block_size : length;  // same blocks, no empty tiles
+  const QuantTarget out{codes, scales, packed_length(length, bits), bits,
+                        Quantizer{qmax, stochastic, mix32(static_cast<uint32_t>(seed))}};
+  if (block <= kMaxFusedBlock) {
+    return with_block_shape<kMaxFusedBlock>(block, [&](auto shape) {
+      using S = decltype(shape);
+      const TileGrid grid = make_grid(rows, length, block, int64_t(S::kG) * S::kC * kChunk);
+      return launch_tiles<S>(quantize_kernel<Source, S::kG, S::kC, Pass::kFused>, grid, stream, src, out);
+    });
+  }
+  const TileGrid grid = make_grid(rows, length, block, kSplitTile);
+  const int64_t slots = rows * grid.blocks_per_row;
+  cudaError_t err = cudaMemsetAsync(scales, 0, static_cast<size_t>(slots) * sizeof(float), stream);
+  if (err != cudaSuccess) return err;
+  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kAbsmax>, grid,
+                                 stream, src, out);
+  if (err != cudaSuccess) return err;
+  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kApply>, grid, stream,
+                                 src, out);
+  if (err != cudaSuccess) return err;
+  absmax_to_scale_kernel<<<grid_size(slots, 256, 256), 256, 0, stream>>>(scales, slots, qmax);
+  return cudaGetLastError();
+}
+
+ReduceSource reduce_source(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length, int bits,
+                           int64_t block_size) {
+  const int64_t packed = packed_length(length, bits), blocks = ceil_div(length, block_size);
+  return ReduceSource{codes, scales, k, packed, blocks, rows * packed, rows * blocks, bits};
+}
+
+cudaError_t run_dequant(const ReduceSource& src, int64_t rows, int64_t length, int64_t block_size, float post_scale,
+                        void* out, DType out_dtype, cudaStream_t stream) {
+  if (rows <= 0 || length <= 0 || src.k <= 0) return cudaSuccess;
+  const int64_t block = block_size < length ? block_size : length;
+  // Nothing is reduced across a block here, so tiles need not cover whole blocks: capping them at a warp's two chunks
+  // per thread keeps the register count (and with it the occupancy) of the k-input loop moderate.
+  const int64_t shape_block = block < kDequantTile ? block : kDequantTile;
+  return with_dtype(out_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return with_block_shape<kDequantTile>(shape_block, [&](auto shape) {
+      using S = decltype(shape);
+      const TileGrid grid = make_grid(rows, length, block, int64_t(S::kG) * S::kC * kChunk);
+      return launch_tiles<S>(dequant_kernel<T, S::kG, S::kC>, grid, stream, src, static_cast<T*>(out), post_scale);
+    });
+  });
+}
+
+}  // namespace
+
+int launch_quantize(const void* x, DType x_dtype, int64_t rows, int64_t length, int bits, int64_t block_size,
+                    bool stochastic, int64_t seed, int8_t* codes, float* scales, void* stream) {
+  return launch_swizzle_quantize(x, x_dtype, rows, 1, 1, length, bits, block_size, stochastic, seed, codes, scales,
+                                 stream);
+}
+
+int launch_swizzle_quantize(const void* x, DType x_dtype, int64_t nodes, int64_t node_size, int64_t stages,
+                            int64_t length, int bits, int64_t block_size, bool stochastic, int64_t seed,
+                            int8_t* codes, float* scales, void* stream) {
+  return static_cast<int>(with_dtype(x_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const DenseSource<T> src{static_cast<const T*>(x), length, nodes, node_size, stages};
+    return run_quantize(src, nodes * node_size * stages, length, bits, block_size, stochastic, seed, codes, scales,
+                        static_cast<cudaStream_t>(stream));
+  }));
+}
+
+int launch_dequantize(const int8_t* codes, const float* scales, int64_t rows, int64_t length, int bits,
+                      int64_t block_size, void* out, DType out_dtype, void* stream) {
+  const ReduceSource src = reduce_source(codes, scales, 1, rows, length, bits, block_size);
+  // Multiplying by 1.0f changes no bit pattern on the GPU (a NaN is already the canonical one), so a single
+  // dequantization shares the reduction's kernel.
+  return static_cast<int>(
+      run_dequant(src, rows, length, block_size, 1.0f, out, out_dtype, static_cast<cudaStream_t>(stream)));
+}
+
+int launch_dequant_reduce_quant(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length,
+                                int in_bits, int64_t block_size, int out_bits, bool stochastic, int64_t seed,
+                                int8_t* out_codes, float* out_scales, void* stream) {
+  if (k <= 0) return static_cast<int>(cudaSuccess);
+  const ReduceSource src = reduce_source(codes, scales, k, rows, length, in_bits, block_size);
+  return static_cast<int>(run_quantize(src, rows, length, out_bits, block_size, stochastic, seed, out_codes,
+                                       out_scales, static_cast<cudaStream_t>(stream)));
+}
+
+int launch_dequant_reduce(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length,
+                          int bits, int64_t block_size, float scale, void* out, DType out_dtype, void* stream) {
+  const ReduceSource src = reduce_source(codes, scales, k, rows, length, bits, block_size);
+  return static_cast<int>(
+      run_dequant(src, rows, length, block_size, scale, out, out_dtype, static_cast<cudaStream_t>(stream)));
+}
+
+const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+}  // namespace hf_zeropp
