@@ -1,6 +1,7 @@
 """hf_zeropp: ZeRO stage 1-3 sharding and the ZeRO++ communication optimizations (qwZ, hpZ, qgZ) on torch FSDP2,
 for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSpeed."""
 
+from .accelerate_integration import Accelerator
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
 from .config import PRESETS, ZeroPPConfig
 from .sharding import (
@@ -15,9 +16,13 @@ from .sharding import (
 
 __version__ = "0.1.0"
 
+ZeroPPPlugin = ZeroPPConfig  # the name Accelerate users expect for a plugin-style config object
+
 __all__ = [
+    "Accelerator",
     "PRESETS",
     "ZeroPPConfig",
+    "ZeroPPPlugin",
     "active_techniques",
     "comm_stats",
     "gathered_parameter_bytes",

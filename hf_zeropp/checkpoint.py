@@ -191,17 +191,5 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: An
             torch.save(full_state, partial / "pytorch_model.bin")
         else:
             model.save_pretrained(partial, state_dict=full_state, safe_serialization=True, **kwargs)
-            _restore_architecture_name(model, partial)
     _commit(partial, directory)
     return directory
-
-
-def _restore_architecture_name(model: nn.Module, directory: Path) -> None:
-    """FSDP2 renames the class (``FSDPGPT2LMHeadModel``); the saved config must name the real one."""
-    zeropp = getattr(model, "_zeropp", None)
-    config_path = directory / "config.json"
-    if zeropp is None or not config_path.is_file():
-        return
-    config = json.loads(config_path.read_text())
-    config["architectures"] = [zeropp.original_class.__name__]
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

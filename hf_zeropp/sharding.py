@@ -59,6 +59,10 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     before the first collective.
     """
     config = _as_config(config)
+    if config.quantized_nontrainable_weights:
+        raise NotImplementedError(
+            "quantized_nontrainable_weights (frozen INT8 weights) is not implemented yet; set it to False"
+        )
     if getattr(model, "_zeropp", None) is not None:
         raise ValueError("this model is already sharded by hf_zeropp; call shard_model once per model")
     if not dist.is_available() or not dist.is_initialized():
@@ -97,6 +101,9 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
             for unit in [*units, model]:
                 fully_shard(unit, mesh=topology.world_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
 
+    # FSDP2 renames the class (FSDPGPT2LMHeadModel); keep the real name so that save_pretrained writes a config
+    # (``architectures``) that plain transformers loads
+    type(model).__name__, type(model).__qualname__ = original_class.__name__, original_class.__qualname__
     state = ZeroPPState(config, resolved, topology, meter, units, original_class,
                         hpz_enabled=config.stage == 3 and resolved.hpz_size > 1)
     _install_comms(model, state)

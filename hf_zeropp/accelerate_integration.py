@@ -1,0 +1,231 @@
+"""hf_zeropp.Accelerator: Accelerate's Accelerator with hf_zeropp sharding in place of DDP.
+
+Accelerate's own FSDP path is replaced by DDP on CPU, rejects an integer ``reshard_after_forward`` (hpZ) and has
+no hook after wrapping, so this subclass shards models itself in ``prepare`` (before Accelerate sees them) and
+keeps the rest of Accelerate's API right under sharding: ``no_sync``/``accumulate`` (stage 1 semantics),
+``clip_grad_norm_`` over shards, ``get_state_dict``/``save_model`` (consolidated), ``save_state``/``load_state``
+(sharded DCP for sharded models and their optimizers, Accelerate's own files for everything else).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import accelerate
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType
+from torch import nn
+
+from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
+from .config import PRESETS, ZeroPPConfig
+from .sharding import no_sync as zeropp_no_sync
+from .sharding import shard_model
+
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+def as_zeropp_config(zeropp: ZeroPPConfig | str | os.PathLike | dict | None) -> ZeroPPConfig:
+    """A config from a ZeroPPConfig, a preset name, a YAML/JSON path, a dict, or None (``ZEROPP_*`` environment)."""
+    if zeropp is None:
+        return ZeroPPConfig.from_env()
+    if isinstance(zeropp, ZeroPPConfig):
+        return zeropp
+    if isinstance(zeropp, dict):
+        return ZeroPPConfig.from_dict(zeropp)
+    if isinstance(zeropp, (str, os.PathLike)):
+        text = str(zeropp)
+        if text in PRESETS:
+            return ZeroPPConfig.preset(text)
+        if not Path(text).exists() and "/" not in text and not text.endswith((".yaml", ".yml", ".json")):
+            raise ValueError(f"zeropp={text!r} is neither a preset ({sorted(PRESETS)}) nor an existing config file")
+        return ZeroPPConfig.from_file(text)
+    raise TypeError(f"zeropp must be a ZeroPPConfig, preset name, path, dict or None; got {type(zeropp).__name__}")
+
+
+def is_sharded(model: Any) -> bool:
+    return getattr(model, "_zeropp", None) is not None
+
+
+class Accelerator(accelerate.Accelerator):
+    """Drop-in ``accelerate.Accelerator`` that shards prepared models with hf_zeropp (ZeRO 0-3 + ZeRO++).
+
+    ``zeropp`` is a :class:`ZeroPPConfig`, a preset name (``"zeropp"``), a YAML/JSON file (hf_zeropp or DeepSpeed
+    format) or None, which reads ``ZEROPP_CONFIG`` / ``ZEROPP_*`` environment variables. The Accelerator's
+    ``mixed_precision`` carries over to the sharding (FSDP2's mixed-precision policy: compute copies in bf16/fp16,
+    fp32 master weights and optimizer state). A single-process run is left unsharded.
+    """
+
+    def __init__(self, *args: Any, zeropp: ZeroPPConfig | str | os.PathLike | dict | None = None,
+                 **kwargs: Any) -> None:
+        config = as_zeropp_config(zeropp)  # fail on a bad config before any process group work
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and not torch.cuda.is_available():
+            # accelerate's torchrun path on a machine without GPUs: without this every process trains alone
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        super().__init__(*args, **kwargs)
+        if self.num_processes != launched:
+            raise RuntimeError(
+                f"the launcher started {launched} processes but Accelerate sees {self.num_processes}; on CPU use "
+                f"recipes/accelerate/cpu_4proc.yaml (distributed_type MULTI_GPU, use_cpu false) with "
+                f"ACCELERATE_USE_CPU=true"
+            )
+        if self.distributed_type not in _SUPPORTED:
+            raise ValueError(
+                f"hf_zeropp.Accelerator does the sharding itself and cannot run under Accelerate's "
+                f"{self.distributed_type.value} mode; remove the FSDP/DeepSpeed settings from the accelerate config"
+            )
+        if self.mixed_precision != "no":
+            if config.mixed_precision == "no":
+                config = dataclasses.replace(config, mixed_precision=self.mixed_precision)
+            elif config.mixed_precision != self.mixed_precision:
+                raise ValueError(
+                    f"Accelerator(mixed_precision={self.mixed_precision!r}) disagrees with the hf_zeropp config's "
+                    f"mixed_precision={config.mixed_precision!r}; set one of them"
+                )
+        self.zeropp_config = config
+        self._zeropp_optimizers: dict[int, Any] = {}  # id(model) -> its (wrapped) optimizer
+        if config.mixed_precision == "fp16" and self.scaler is not None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler()  # found-inf must agree across ranks: each holds only its shards
+
+    @property
+    def shards_models(self) -> bool:
+        return self.num_processes > 1 and dist.is_initialized()
+
+    # ------------------------------------------------------------------ prepare
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        models = [a for a in args if isinstance(a, nn.Module)]
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        for model in models:
+            if is_sharded(model) or getattr(model, "_is_accelerate_prepared", False):
+                raise ValueError(
+                    f"{type(model).__name__} was already prepared by this or another Accelerator; prepare each "
+                    f"model once (pass the returned objects on)"
+                )
+        if self.shards_models:
+            for model in models:
+                self._shard_and_rebind(model, optimizers)
+        result = super().prepare(*args, device_placement=device_placement)
+        prepared = result if isinstance(result, tuple) else (result,)
+        wrapped = [p for p in prepared if isinstance(p, accelerate.optimizer.AcceleratedOptimizer)]
+        for model in models:
+            if is_sharded(model) and wrapped:
+                self._zeropp_optimizers[id(model)] = _optimizer_of(model, wrapped)
+        return result
+
+    def _shard_and_rebind(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Shard ``model`` and point the optimizers built on its full parameters at the new sharded ones."""
+        before = dict(model.named_parameters())
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise ValueError("prepare the optimizer before it takes a step: its state cannot be re-sharded")
+        shard_model(model, self.zeropp_config, device=self.device)
+        after = dict(model.named_parameters())
+        mapping = {id(before[name]): after[name] for name in before if name in after}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        if not is_sharded(model):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        # already sharded: no DDP, no autocast (FSDP's mixed-precision policy casts), no device move
+        if model not in self._models:
+            self._models.append(model)
+        return model
+
+    # ------------------------------------------------------------------ training step
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if not is_sharded(model):
+            with super().no_sync(model):
+                yield
+            return
+        with zeropp_no_sync(model):
+            yield
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        parameters = list(parameters)
+        if not any(is_sharded(m) for m in self._models):
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self.unscale_gradients()
+        norm = self._clip_grad_norm_dtensor_aware(parameters, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # ------------------------------------------------------------------ state
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Consolidated (full, CPU) state dict on the main process, empty elsewhere — collective for sharded models."""
+        if not is_sharded(model):
+            return super().get_state_dict(model, unwrap=unwrap)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: str = "10GB",
+                   safe_serialization: bool = True) -> None:
+        if not is_sharded(model):
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        save_pretrained(model, save_directory, max_shard_size=max_shard_size)
+
+    @contextlib.contextmanager
+    def _without_sharded(self) -> Iterator[list[tuple[int, nn.Module, Any]]]:
+        """Hide sharded models and their optimizers from Accelerate's own (rank-0, unsharded) save/load."""
+        sharded = [(i, m, self._zeropp_optimizers.get(id(m))) for i, m in enumerate(self._models) if is_sharded(m)]
+        models, optimizers = self._models, self._optimizers
+        hidden = {id(o) for _, _, o in sharded if o is not None}
+        self._models = [m for m in models if not is_sharded(m)]
+        self._optimizers = [o for o in optimizers if id(o) not in hidden]
+        try:
+            yield sharded
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        with self._without_sharded() as sharded:
+            def save_shards(models, weights, directory):
+                for index, model, optimizer in sharded:
+                    save_checkpoint(Path(directory) / f"zeropp_model_{index}", model,
+                                    _unwrap_optimizer(optimizer), step=self.step)
+
+            handle = self.register_save_state_pre_hook(save_shards)
+            try:
+                return super().save_state(output_dir, safe_serialization, **kwargs)
+            finally:
+                handle.remove()
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        with self._without_sharded() as sharded:
+            def load_shards(models, directory):
+                for index, model, optimizer in sharded:
+                    load_checkpoint(Path(directory) / f"zeropp_model_{index}", model, _unwrap_optimizer(optimizer))
+
+            handle = self.register_load_state_pre_hook(load_shards)
+            try:
+                super().load_state(input_dir, load_kwargs, **kwargs)
+            finally:
+                handle.remove()
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    while isinstance(optimizer, accelerate.optimizer.AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _optimizer_of(model: nn.Module, wrapped: list[Any]) -> Any:
+    params = {id(p) for p in model.parameters()}
+    for optimizer in wrapped:
+        if any(id(p) in params for group in _unwrap_optimizer(optimizer).param_groups for p in group["params"]):
+            return optimizer
+    return None
