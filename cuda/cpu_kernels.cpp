@@ -3,7 +3,8 @@
 // hf_zeropp/kernels/reference.py is the specification and this file matches it bit for bit: fp32 arithmetic with
 // single roundings (built with -ffp-contract=off, no -ffast-math), IEEE division x / scale, round half to even,
 // and the same counter-based uniform draw for stochastic rounding. The Python dispatcher in
-// hf_zeropp/kernels/__init__.py validates arguments and allocates outputs; the functions here fill them in place.
+// hf_zeropp/kernels/__init__.py validates arguments and allocates outputs; the functions here check what they are
+// given again and fill the outputs in place.
 //
 // Work is split over (row, block) items with at::parallel_for. Inner loops are plain, branch-free loops over one
 // block (or one kChunk-sized piece of it) so that gcc vectorizes them at the baseline ISA (SSE2 / NEON): the
@@ -337,6 +338,7 @@ void dequant_reduce_rows(const int8_t* codes, const float* scales, int64_t k, in
         const int64_t m = std::min(kChunk, n - off);
         decode_sum<kBits>(codes, scales, k, rows * lc, rows * nb, r * lc + packed_length(col + off, kBits), item, m,
                           acc);
+        // Unlike in dequantize_rows, NaN can come from any input's block, so it is always handled.
         for (int64_t j = 0; j < m; ++j) {
           store_as<true>(acc[j] * scale, o + off + j);
         }

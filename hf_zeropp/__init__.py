@@ -16,13 +16,25 @@ from .sharding import (
 
 __version__ = "0.1.0"
 
+from .trainer import (  # noqa: E402  (needs transformers; imported last)
+    ZeroPPCallback,
+    ZeroPPTrainer,
+    ZeroPPTrainerMixin,
+    ZeroPPTrainingArguments,
+    with_zeropp_field,
+)
+
 ZeroPPPlugin = ZeroPPConfig  # the name Accelerate users expect for a plugin-style config object
 
 __all__ = [
     "Accelerator",
     "PRESETS",
+    "ZeroPPCallback",
     "ZeroPPConfig",
     "ZeroPPPlugin",
+    "ZeroPPTrainer",
+    "ZeroPPTrainerMixin",
+    "ZeroPPTrainingArguments",
     "active_techniques",
     "comm_stats",
     "gathered_parameter_bytes",
@@ -34,5 +46,6 @@ __all__ = [
     "set_techniques",
     "shard_model",
     "state_bytes",
+    "with_zeropp_field",
     "__version__",
 ]

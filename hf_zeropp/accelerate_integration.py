@@ -31,21 +31,31 @@ _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MUL
 
 
 def as_zeropp_config(zeropp: ZeroPPConfig | str | os.PathLike | dict | None) -> ZeroPPConfig:
-    """A config from a ZeroPPConfig, a preset name, a YAML/JSON path, a dict, or None (``ZEROPP_*`` environment)."""
+    """A config from a ZeroPPConfig, a preset name, a YAML/JSON path, a dict, or None (``ZEROPP_*`` environment).
+
+    ``ZEROPP_NODE_SIZE``, when set, overrides the node size of any of them: node emulation is a property of the
+    launch, not of the recipe.
+    """
     if zeropp is None:
         return ZeroPPConfig.from_env()
     if isinstance(zeropp, ZeroPPConfig):
-        return zeropp
-    if isinstance(zeropp, dict):
-        return ZeroPPConfig.from_dict(zeropp)
-    if isinstance(zeropp, (str, os.PathLike)):
+        config = zeropp
+    elif isinstance(zeropp, dict):
+        config = ZeroPPConfig.from_dict(zeropp)
+    elif isinstance(zeropp, (str, os.PathLike)):
         text = str(zeropp)
         if text in PRESETS:
-            return ZeroPPConfig.preset(text)
-        if not Path(text).exists() and "/" not in text and not text.endswith((".yaml", ".yml", ".json")):
+            config = ZeroPPConfig.preset(text)
+        elif not Path(text).exists() and "/" not in text and not text.endswith((".yaml", ".yml", ".json")):
             raise ValueError(f"zeropp={text!r} is neither a preset ({sorted(PRESETS)}) nor an existing config file")
-        return ZeroPPConfig.from_file(text)
-    raise TypeError(f"zeropp must be a ZeroPPConfig, preset name, path, dict or None; got {type(zeropp).__name__}")
+        else:
+            config = ZeroPPConfig.from_file(text)
+    else:
+        raise TypeError(f"zeropp must be a ZeroPPConfig, preset name, path, dict or None; got {type(zeropp).__name__}")
+    node_size = os.environ.get("ZEROPP_NODE_SIZE")
+    if node_size:
+        config = dataclasses.replace(config, node_size=int(node_size))
+    return config
 
 
 def is_sharded(model: Any) -> bool:

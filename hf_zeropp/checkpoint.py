@@ -27,8 +27,12 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
+
+from .hpz import reshard_all
 
 META_FILE = "zeropp_meta.json"
 _RNG_DIR = "rng"
@@ -106,17 +110,34 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, include_model: bool) -> dict[str, Any]:
+    """The DTensor state dicts DCP writes and reads in place (each rank only its shards)."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state} if include_model else {"optimizer": optim_state}
+
+
+def _apply_dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    elif "model" in state:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
 def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any | None = None, *, step: int, extra: dict[str, Any] | None = None) -> Path:
-    """Write a sharded, resumable checkpoint (collective: call on every rank)."""
+                    scheduler: Any | None = None, *, step: int, extra: dict[str, Any] | None = None,
+                    include_model: bool = True) -> Path:
+    """Write a sharded, resumable checkpoint (collective: call on every rank).
+
+    ``include_model=False`` stores only the optimizer shards (and the rest), for trainers that write the
+    weights themselves as a consolidated model.
+    """
     directory = Path(directory)
     partial = _begin(directory)
-    model_state, optim_state = get_state_dict(model, optimizer) if optimizer is not None else (
-        get_model_state_dict(model), None)
-    state = {"model": model_state}
-    if optim_state is not None:
-        state["optimizer"] = optim_state
-    dcp.save(state, checkpoint_id=str(partial))
+    dcp.save(_dcp_state(model, optimizer, include_model), checkpoint_id=str(partial))
     rng_dir = partial / _RNG_DIR
     if _rank() == 0:
         rng_dir.mkdir(exist_ok=True)
@@ -126,7 +147,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         if scheduler is not None:
             torch.save(scheduler.state_dict(), partial / "scheduler.pt")
         meta = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "extra": extra or {}}
+                "includes_model": include_model, "extra": extra or {}}
         zeropp = getattr(model, "_zeropp", None)
         if zeropp is not None:
             meta["zeropp_config"] = zeropp.config.to_dict()
@@ -136,7 +157,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
 
 
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any | None = None) -> dict[str, Any]:
+                    scheduler: Any | None = None, *, restore_rng: bool = True) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` (any world size); returns its metadata."""
     directory = Path(directory)
     meta_path = directory / META_FILE
@@ -146,22 +167,15 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
             f"pick one returned by latest_checkpoint()"
         )
     meta = json.loads(meta_path.read_text())
-    model_state, optim_state = get_state_dict(model, optimizer) if optimizer is not None else (
-        get_model_state_dict(model), None)
-    state = {"model": model_state}
-    if optim_state is not None:
-        state["optimizer"] = optim_state
+    reshard_all(model)
+    state = _dcp_state(model, optimizer, meta.get("includes_model", True))
     dcp.load(state, checkpoint_id=str(directory))
-    if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    else:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(model, state["model"])
+    _apply_dcp_state(model, optimizer, state)
     if scheduler is not None and (directory / "scheduler.pt").is_file():
         scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
     rng_file = directory / _RNG_DIR / f"rank{_rank()}.pt"
-    if rng_file.is_file() and meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
+    same_world = meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1)
+    if restore_rng and same_world and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return meta
 

@@ -33,7 +33,9 @@ class CommMeter:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._bytes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._errors: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
         self.implementations: dict[str, str] = {}
+        self.track_errors = False  # quantized comms also measure their own error (costs one extra dequantize)
 
     def record(self, kind: str, group: dist.ProcessGroup, bytes_per_peer: int, implementation: str) -> None:
         """``bytes_per_peer`` go from this rank to every other rank of ``group``."""
@@ -54,6 +56,13 @@ class CommMeter:
         counter["calls"] += 1
         self.implementations["grad_allreduce"] = implementation
 
+    def record_error(self, kind: str, original: torch.Tensor, restored: torch.Tensor) -> None:
+        """Accumulate the squared error of a quantize/dequantize round trip of this rank's own data."""
+        original = original.float()
+        totals = self._errors[kind]
+        totals[0] += float((restored.float() - original).pow(2).sum())
+        totals[1] += float(original.pow(2).sum())
+
     def stats(self, reset: bool = False) -> dict[str, Any]:
         result: dict[str, Any] = {
             kind: {"intra_node": c["intra_node"], "inter_node": c["inter_node"], "calls": c["calls"]}
@@ -64,8 +73,13 @@ class CommMeter:
             "inter_node": sum(c["inter_node"] for c in self._bytes.values()),
         }
         result["implementations"] = dict(self.implementations)
+        if self._errors:
+            # relative L2 error ||x - deq(q(x))|| / ||x|| of what this rank quantized, per collective kind
+            result["quantization_error"] = {kind: (err / ref) ** 0.5 if ref > 0 else 0.0
+                                            for kind, (err, ref) in self._errors.items()}
         if reset:
             self._bytes.clear()
+            self._errors.clear()
         return result
 
 

@@ -91,6 +91,9 @@ class ZeroPPConfig:
     wrap_modules: list[str] | None = None
     kernel_backend: str | None = None
     seed: int = 0
+    quantized_weights_until: float | None = None
+    hpz_until: float | None = None
+    quantized_gradients_until: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +128,10 @@ class ZeroPPConfig:
             raise ValueError(f"hpz_partition_size={self.hpz_partition_size!r} must be an integer or 'node'")
         if isinstance(self.hpz_partition_size, int) and self.hpz_partition_size < 1:
             raise ValueError(f"hpz_partition_size={self.hpz_partition_size} must be >= 1 (1 turns hpZ off)")
+        for name in ("quantized_weights_until", "hpz_until", "quantized_gradients_until"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{name}={value} must be a fraction of max_steps in (0, 1], e.g. 0.5")
         self._check_stage_supports_options()
 
     def _check_types(self) -> None:
@@ -133,6 +140,9 @@ class ZeroPPConfig:
             if f.name == "extra":
                 continue
             value = getattr(self, f.name)
+            if hints[f.name] == float | None and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+                setattr(self, f.name, value)
             if not _matches(value, hints[f.name]):
                 raise TypeError(
                     f"{f.name}={value!r} has type {type(value).__name__}; expected {_describe(hints[f.name])}"
@@ -318,6 +328,8 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     if origin is dict:
         return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, float)
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
@@ -342,6 +354,11 @@ def _parse_env(key: str, raw: str, hint: Any) -> Any:
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{key}={raw!r} is not a boolean; use true or false")
+    if _matches(0.5, hint):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{key}={raw!r} is not a number") from None
     if _matches(1, hint):
         try:
             return int(text)

@@ -53,12 +53,24 @@ def shared_hpz_mesh(topology: Topology) -> Iterator[None]:
         _fully_shard_impl._get_post_forward_mesh_info = build
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Drop every gathered weight and hpZ secondary shard, back to the world-sharded parameters.
+
+    Always safe outside a backward pass; needed before weights change other than through the optimizer (loading
+    a checkpoint), or a secondary shard left by an evaluation forward would serve stale weights (DeepSpeed #7606).
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def set_hpz(model: nn.Module, topology: Topology, enabled: bool) -> None:
     """Switch hpZ on (secondary shard over the hpZ group) or off (plain ZeRO-3 resharding) between steps."""
     if topology.hpz_mesh is None:
         raise ValueError(
             "hpZ was not configured for this model; shard it with hpz_partition_size > 1 to switch hpZ on and off"
         )
+    reshard_all(model)
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -66,7 +78,7 @@ def set_hpz(model: nn.Module, topology: Topology, enabled: bool) -> None:
             if group.post_forward_mesh_info is None:
                 continue  # a unit that keeps its weights gathered after forward (stage 1/2): nothing to reshard
             if any(p.sharded_state != ShardedState.SHARDED for p in group.fsdp_params):
-                raise RuntimeError("switch hpZ between optimizer steps, not during a forward or backward pass")
+                raise RuntimeError("switch hpZ between optimizer steps, not during a backward pass")
             info = _mesh_info(topology) if enabled else group.mesh_info
             group.post_forward_mesh_info = info
             for param in group.fsdp_params:

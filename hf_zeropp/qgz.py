@@ -120,6 +120,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         # one rank per node has no intra-node hop: quantize straight to the inter-node width
         first_bits = self.intra_bits if node_size > 1 else self.inter_bits
         payload, scales = self.payload.swizzle(chunks.reshape(-1), nodes, node_size, stages, first_bits, seed)
+        if self.meter.track_errors and isinstance(self.payload, BlockQuantizedPayload):
+            self._record_error(chunks, payload, scales, first_bits, slice_len)
         rows_per_stage = node_size * nodes
         payload = payload.view(stages, rows_per_stage, payload.shape[-1])
         scales = scales.view(stages, rows_per_stage, scales.shape[-1])
@@ -154,6 +156,15 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         if not exact_fit:
             output_tensor.copy_(result.reshape(-1)[:shard_numel])
         return None
+
+    def _record_error(self, chunks: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                      slice_len: int) -> None:
+        """Error of this rank's first quantization (hop 1), measured against its reordered input rows."""
+        topo = self.topology
+        source = kernels.swizzle_source_slices(topo.nodes, topo.node_size, self.stages).to(chunks.device)
+        rows = chunks.reshape(-1, slice_len)[source]
+        restored = kernels.dequantize(payload, scales, bits=bits, block_size=self.block_size, length=slice_len)
+        self.meter.record_error("qgz_intra" if topo.node_size > 1 else "qgz_inter", rows, restored)
 
     def _seed(self) -> int:
         """A fresh seed per call and rank, so stochastic rounding errors are independent across steps and ranks."""

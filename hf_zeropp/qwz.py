@@ -49,6 +49,7 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
             return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         world = dist.get_world_size(group)
         shard_numel = input_tensor.numel()
+        original = input_tensor.clone() if self.meter.track_errors else None  # the output overwrites the input
         codes, scales = kernels.quantize(input_tensor, self.bits, self.block_size)
         gathered_codes = codes.new_empty(world * codes.numel())
         gathered_scales = scales.new_empty(world * scales.numel())
@@ -56,6 +57,8 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
         all_gather_single(gathered_scales, scales, group=group)
         kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(world, -1), bits=self.bits, block_size=self.block_size,
                            length=shard_numel, dtype=output_tensor.dtype, out=output_tensor.view(world, shard_numel))
+        if original is not None:
+            self.meter.record_error(kind, original, output_tensor.view(world, shard_numel)[dist.get_rank(group)])
         self.meter.record(kind, group, nbytes(codes) + nbytes(scales),
                           f"qwZ int{self.bits} all_gather (block {self.block_size})")
         return None

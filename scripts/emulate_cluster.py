@@ -365,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds the other nodes get to exit after one node failed; default 30")
     args = parser.parse_args(argv)
+    link_text = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--link"),
+                     next((a.split("=", 1)[1] for a in argv if a.startswith("--link=")), "100mbit"))
     if not command:
         parser.error("give the command to run after `--`, e.g. `-- scripts/train_demo.py --preset zeropp`")
     if args.nodes < 1 or args.nproc_per_node < 1:
@@ -380,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = {sig: signal.signal(sig, _signal_to_exception) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     report: dict = {
         "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "link": "none" if args.link is None else
-        f"{args.link}bit", "rate_bits_per_s": args.link, "latency_s": args.latency, "mtu": args.mtu,
+        link_text, "rate_bits_per_s": args.link, "latency_s": args.latency, "mtu": args.mtu,
         "interface": cluster.interface, "header_bytes_per_packet": HEADER_BYTES_PER_PACKET, "command": command,
     }
     status = 1

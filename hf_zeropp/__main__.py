@@ -1,0 +1,63 @@
+"""``python -m hf_zeropp env [--zeropp CONFIG] [--world N --node-size D]``: versions, kernel backends, the topology
+this launch would get and the resolved config — everything a bug report needs, without starting any process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import sys
+
+import torch
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
+    from . import __version__, kernels
+    from .accelerate_integration import as_zeropp_config
+
+    print(f"hf_zeropp {__version__}, Python {platform.python_version()} on {platform.platform()}")
+    for package in ("torch", "transformers", "accelerate", "datasets", "safetensors", "peft", "trl"):
+        print(f"  {package:<13} {_version(package)}")
+    print(f"  CUDA          {torch.version.cuda or 'none'} (GPUs visible: {torch.cuda.device_count()})")
+    print("kernel backends:")
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        backend = kernels.active_backend(device)
+        failure = kernels._build.failure(
+            kernels._build.CPU_EXTENSION if device == "cpu" else kernels._build.CUDA_EXTENSION)
+        print(f"  {device}: {backend}" + (f" (compiled backend failed: {failure.splitlines()[0]})" if failure else ""))
+    config = as_zeropp_config(zeropp)
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    local = node_size or (int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+    print("config:", {k: v for k, v in config.to_dict().items() if v not in (None, False)})
+    try:
+        resolved = config.resolve(world, local)
+        print(f"topology: world {resolved.world_size} = {resolved.nodes} node(s) x {resolved.node_size} ranks; "
+              f"hpZ group size {resolved.hpz_size}")
+    except ValueError as error:
+        print(f"topology: INVALID for world {world}: {error}")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_zeropp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    env_parser = sub.add_parser("env", help="print versions, kernel backends, topology and resolved config")
+    env_parser.add_argument("--zeropp", default=None, help="preset or config file (default: ZEROPP_* environment)")
+    env_parser.add_argument("--world", type=int, default=None, help="world size (default: WORLD_SIZE or 1)")
+    env_parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: LOCAL_WORLD_SIZE)")
+    args = parser.parse_args(argv)
+    return env(args.zeropp, args.world, args.node_size)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

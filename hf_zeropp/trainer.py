@@ -1,0 +1,182 @@
+"""Transformers Trainer (and TRL) integration: ``--zeropp`` on the command line, a Trainer mixin, a callback.
+
+The Trainer builds its Accelerator in ``create_accelerator_and_postprocess``; the mixin has it build
+:class:`hf_zeropp.Accelerator` instead, which shards the model in ``accelerator.prepare``. TRL's SFT/DPO/GRPO
+trainers subclass Trainer without overriding that method, so ``class X(ZeroPPTrainerMixin, GRPOTrainer)`` works
+the same way. Saving is made collective where the Trainer assumes a model only rank 0 needs to read:
+``save_model`` consolidates the shards into a ``from_pretrained``-loadable folder, and checkpoints store the
+optimizer's shards with torch DCP (``zeropp_optimizer/``) beside the consolidated weights the Trainer resumes from.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .accelerate_integration import Accelerator, as_zeropp_config, is_sharded
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import ZeroPPConfig
+from .sharding import active_techniques, comm_stats, set_techniques, zeropp_state
+
+OPTIMIZER_DIR = "zeropp_optimizer"
+_SCHEDULED = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
+              "quantized_gradients_until": "quantized_gradients"}
+
+
+@functools.cache
+def with_zeropp_field(args_class: type[TrainingArguments]) -> type[TrainingArguments]:
+    """``args_class`` (TrainingArguments or a TRL config such as ``SFTConfig``) plus a ``zeropp`` field, usable from
+    the command line (``--zeropp zeropp``) through HfArgumentParser and from YAML configs. The new class is
+    registered in this module as ``ZeroPP<Name>`` so that the Trainer can pickle it into checkpoints."""
+
+    @dataclass
+    class WithZeroPP(args_class):
+        zeropp: dict | str | None = field(
+            default=None,
+            metadata={"help": "hf_zeropp config: a preset (zero1, zero2, zero3, zeropp), a YAML/JSON file, or a "
+                              "JSON dict of options. Default: the ZEROPP_CONFIG / ZEROPP_* environment."},
+        )
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            as_zeropp_config(self.zeropp)  # a bad value fails here, before any process group exists
+
+    WithZeroPP._VALID_DICT_FIELDS = [*args_class._VALID_DICT_FIELDS, "zeropp"]
+    WithZeroPP.__name__ = WithZeroPP.__qualname__ = f"ZeroPP{args_class.__name__}"
+    WithZeroPP.__module__ = __name__
+    globals()[WithZeroPP.__name__] = WithZeroPP
+    return WithZeroPP
+
+
+ZeroPPTrainingArguments = with_zeropp_field(TrainingArguments)
+
+
+class ZeroPPCallback(TrainerCallback):
+    """Puts communication bytes (per collective, intra/inter node, per optimizer step) and quantization error
+    into the Trainer's logs, and switches techniques off at a fraction of ``max_steps``.
+
+    ``schedule`` maps ``quantized_weights_until`` / ``hpz_until`` / ``quantized_gradients_until`` to a fraction
+    (the ZeRO++ paper's "qgZ for the first 50 %" is ``{"quantized_gradients_until": 0.5}``); the keys can also
+    live in the ZeroPPConfig. ``quantization_error_every`` measures the round-trip error on every n-th step.
+    """
+
+    def __init__(self, schedule: dict[str, float] | None = None, quantization_error_every: int = 10) -> None:
+        unknown = set(schedule or {}) - set(_SCHEDULED)
+        if unknown:
+            raise ValueError(f"unknown schedule keys {sorted(unknown)}; use {sorted(_SCHEDULED)}")
+        self.schedule = dict(schedule or {})
+        self.quantization_error_every = quantization_error_every
+        self._sums: dict[str, float] = {}
+        self._steps = 0
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if model is None or not is_sharded(model):
+            return
+        if self.schedule and state.max_steps:
+            progress = state.global_step / state.max_steps
+            wanted = {_SCHEDULED[key]: progress < until for key, until in self.schedule.items()}
+            current = active_techniques(model)
+            changes = {name: on for name, on in wanted.items() if current[name] and not on}
+            if changes:
+                set_techniques(model, **changes)
+        every = self.quantization_error_every
+        zeropp_state(model).meter.track_errors = bool(every) and state.global_step % every == 0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if model is None or not is_sharded(model):
+            return
+        stats = comm_stats(model, reset=True)
+        for kind, value in stats.items():
+            if kind in ("total", "implementations", "quantization_error"):
+                continue
+            for where in ("intra_node", "inter_node"):
+                key = f"zeropp/{kind}_{where}_bytes"
+                self._sums[key] = self._sums.get(key, 0.0) + value[where]
+        for where in ("intra_node", "inter_node"):
+            key = f"zeropp/{where}_bytes"
+            self._sums[key] = self._sums.get(key, 0.0) + stats["total"][where]
+        for kind, error in stats.get("quantization_error", {}).items():
+            self._sums[f"zeropp/{kind}_relative_error"] = error  # latest measurement, not a sum
+        for name, on in active_techniques(model).items():
+            self._sums[f"zeropp/{name}_on"] = float(on)
+        self._steps += 1
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if model is not None and is_sharded(model):
+            comm_stats(model, reset=True)  # evaluation traffic is not a training step's
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Per-step averages since the last call (bytes this rank sent), latest error and technique switches."""
+        if not self._steps:
+            return {}
+        metrics = {key: (value / self._steps if key.endswith("_bytes") else value)
+                   for key, value in self._sums.items()}
+        self._sums, self._steps = {}, 0
+        return metrics
+
+
+class ZeroPPTrainerMixin:
+    """Put in front of ``Trainer`` or any Trainer subclass (TRL's SFT/DPO/GRPO trainers):
+    ``class MyTrainer(ZeroPPTrainerMixin, SFTTrainer)``. The config comes from ``args.zeropp`` (with
+    :class:`ZeroPPTrainingArguments`) or from ``ZEROPP_CONFIG`` / ``ZEROPP_*``."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        import transformers.trainer as trainer_module
+
+        config = as_zeropp_config(getattr(self.args, "zeropp", None))
+        self.zeropp_config: ZeroPPConfig = config
+        original = trainer_module.Accelerator
+        trainer_module.Accelerator = functools.partial(Accelerator, zeropp=config)
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            trainer_module.Accelerator = original
+        schedule = {key: getattr(config, key) for key in _SCHEDULED if getattr(config, key) is not None}
+        self.zeropp_callback = ZeroPPCallback(schedule)
+
+    def _zeropp_sharded(self) -> bool:
+        return is_sharded(self.model)
+
+    def train(self, *args: Any, **kwargs: Any):
+        if self.zeropp_callback not in self.callback_handler.callbacks:
+            self.callback_handler.add_callback(self.zeropp_callback)
+        return super().train(*args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if "loss" in logs:  # training logs only, not evaluation results
+            logs.update(self.zeropp_callback.pop_metrics())
+        super().log(logs, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Consolidated ``from_pretrained``-loadable weights (a collective: every rank must call it)."""
+        if not self._zeropp_sharded():
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.accelerator.get_state_dict(self.model)
+        self._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._zeropp_sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_checkpoint(Path(output_dir) / OPTIMIZER_DIR, self.model, self.optimizer, self.lr_scheduler,
+                        step=self.state.global_step, include_model=False)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not (Path(checkpoint) / OPTIMIZER_DIR).is_dir():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if not self._zeropp_sharded():
+            raise ValueError(f"{checkpoint} holds hf_zeropp optimizer shards; resume it with a ZeroPP trainer")
+        # the Trainer restores RNG itself from its own per-rank files
+        load_checkpoint(Path(checkpoint) / OPTIMIZER_DIR, self.model, self.optimizer, self.lr_scheduler,
+                        restore_rng=False)
+
+
+class ZeroPPTrainer(ZeroPPTrainerMixin, Trainer):
+    """``transformers.Trainer`` with hf_zeropp sharding."""
+
+
+__all__ = ["ZeroPPCallback", "ZeroPPTrainer", "ZeroPPTrainerMixin", "ZeroPPTrainingArguments", "with_zeropp_field"]

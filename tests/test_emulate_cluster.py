@@ -1,0 +1,157 @@
+"""Smoke tests of the emulated multi-node cluster (scripts/emulate_cluster.py, issue G).
+
+The cluster tests need root, iproute2's ``ip`` and ``tc``, and a kernel that lets this process create network
+namespaces; elsewhere they are skipped with the reason. The argument and requirement checks run everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import emulate_cluster  # noqa: E402
+
+
+def _cluster_problem() -> str | None:
+    problem = emulate_cluster.requirements_problem()
+    if problem:
+        return problem
+    probe = f"zpp-{os.getpid()}-n0"  # this script's naming: a leftover is cleaned by the emulator's next start
+    ip = emulate_cluster.find_tool("ip")
+    made = subprocess.run([ip, "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here ({made.stderr.strip()})"
+    subprocess.run([ip, "netns", "del", probe], capture_output=True)
+    return None
+
+
+_PROBLEM = _cluster_problem()
+needs_cluster = pytest.mark.skipif(_PROBLEM is not None, reason=f"emulated cluster unavailable: {_PROBLEM}")
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    out = subprocess.run([emulate_cluster.find_tool("ip") or "ip", "netns", "list"], capture_output=True,
+                         text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"zpp-{pid}-")]
+
+
+def _emulator(*args: str) -> list[str]:
+    return [sys.executable, str(SCRIPTS / "emulate_cluster.py"), *args]
+
+
+# ---- everywhere ------------------------------------------------------------------------------------------------
+
+def test_rates_and_delays_parse():
+    assert emulate_cluster.parse_rate("100mbit") == 100_000_000
+    assert emulate_cluster.parse_rate("1gbit") == 1_000_000_000
+    assert emulate_cluster.parse_rate("none") is None
+    assert emulate_cluster.parse_delay("1ms") == pytest.approx(1e-3)
+    assert emulate_cluster.parse_delay("none") is None
+    with pytest.raises(Exception, match="link rate"):
+        emulate_cluster.parse_rate("fast")
+
+
+def test_refuses_without_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert emulate_cluster.main(["--", "train.py"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_refuses_without_iproute2(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(emulate_cluster, "find_tool", lambda name: None)
+    assert emulate_cluster.main(["--", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "ip and tc" in err and "iproute2" in err
+
+
+def test_wire_rule_matches_gloo_ring_algebra():
+    import bench_cluster
+
+    f = bench_cluster.wire_factors(4, 2)
+    assert f["fwd_allgather"] == pytest.approx(0.75)
+    assert f["grad_reduce_scatter"] == pytest.approx(1.5)
+    assert f["qgz_inter"] == 1.0
+    assert bench_cluster.wire_factors(2, 2)["fwd_allgather"] == 0.0  # one node: nothing crosses
+
+
+# ---- as root, with namespaces ----------------------------------------------------------------------------------
+
+@needs_cluster
+@pytest.mark.timeout(180)
+def test_two_node_training_smoke(tmp_path):
+    """2 namespaces x 2 gloo ranks over a 100 Mbit/s link, a few steps of a tiny GPT-2 under ZeRO-3 and ZeRO++:
+    it trains, the veth counters see the inter-node traffic the meter predicts, and nothing is left behind."""
+    import bench_cluster
+
+    result, counters = tmp_path / "result.json", tmp_path / "counters.json"
+    cmd = _emulator("--nodes", "2", "--nproc-per-node", "2", "--link", "100mbit", "--counters-json", str(counters),
+                    "--", str(SCRIPTS / "bench_cluster.py"), "--worker", "--result", str(result),
+                    "--configs", "ZeRO-3,ZeRO++", "--warmup", "1", "--rounds", "1", "--steps", "2", "--probe-mb", "0",
+                    "--n-embd", "128", "--n-layer", "2", "--n-head", "2", "--vocab", "512", "--seq-len", "32")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    output, _ = proc.communicate(timeout=170)
+    assert proc.returncode == 0, output[-4000:]
+    assert not _namespaces_of(proc.pid), "the emulator left namespaces behind"
+
+    report = json.loads(counters.read_text())
+    assert report["returncode"] == 0 and len(report["per_node"]) == 2
+    assert "tbf" in report["qdiscs"]["n0:veth0"] and "tbf" in report["qdiscs"]["sw:p0"]
+    for node in report["per_node"]:
+        assert node["delta"]["tx_bytes"] > 100_000 and node["delta"]["rx_bytes"] > 100_000
+
+    data = json.loads(result.read_text())
+    world, node_size = data["world"], data["node_size"]
+    assert (world, node_size) == (4, 2)
+    for name in ("ZeRO-3", "ZeRO++"):
+        stats = [rank[name]["stats"] for rank in data["per_rank"]]
+        expected = bench_cluster.expected_node_wire(stats, world, node_size)
+        for node in range(2):
+            windows = data["per_rank"][node * node_size][name]["windows"]
+            measured = sum(w["counters"]["tx_payload_bytes"] for w in windows)
+            assert measured == pytest.approx(expected[node], rel=0.05), (name, node, measured, expected)
+    z3 = sum(r["ZeRO-3"]["stats"][k]["inter_node"] for r in data["per_rank"] for k in ("fwd_allgather",))
+    zpp = sum(r["ZeRO++"]["stats"][k]["inter_node"] for r in data["per_rank"] for k in ("fwd_allgather",))
+    assert zpp < 0.6 * z3  # qwZ's INT8 gather of bf16 weights
+
+
+@needs_cluster
+@pytest.mark.timeout(60)
+def test_failure_of_one_node_is_reported_and_cleaned_up():
+    code = "import os, sys; sys.exit(3 if os.environ['ZPP_NODE_RANK'] == '1' else 0)"
+    proc = subprocess.run(_emulator("--raw", "--link", "none", "--grace", "5", "--", sys.executable, "-c", code),
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 3, proc.stderr
+    pid = int(re.search(r"namespaces zpp-(\d+)-", proc.stderr).group(1))
+    assert not _namespaces_of(pid)
+
+
+@needs_cluster
+@pytest.mark.timeout(60)
+def test_ctrl_c_removes_the_namespaces():
+    proc = subprocess.Popen(_emulator("--raw", "--link", "1gbit", "--", sys.executable, "-c",
+                                      "import time; time.sleep(120)"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while len(_namespaces_of(proc.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_namespaces_of(proc.pid)) == 3  # 2 nodes + the switch
+    time.sleep(0.5)  # let the nodes start
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not _namespaces_of(proc.pid)

@@ -1,0 +1,165 @@
+"""Accelerate, Trainer and TRL integration (issue D): real launches of 4 CPU processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_zeropp.spawn import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def _launch(command: list[str], env: dict[str, str], timeout: int = 600) -> str:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout
+
+
+def _accelerate(output: Path, zeropp: str, *extra: str) -> None:
+    port = str(29600 + (abs(hash(str(output))) % 300))
+    _launch([str(BIN / "accelerate"), "launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
+             "--main_process_port", port, "scripts/train_accelerate.py", "--zeropp", zeropp,
+             "--output", str(output), *extra], {"ZEROPP_NODE_SIZE": "2"})
+
+
+@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3"])
+def test_accelerate_launch_trains_each_stage(tmp_path, preset):
+    _accelerate(tmp_path, preset, "--steps", "5")
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, metrics
+    assert all(m["inter_node_bytes"] > 0 for m in metrics)
+    from transformers import GPT2LMHeadModel
+
+    GPT2LMHeadModel.from_pretrained(tmp_path / "model")  # consolidated, loadable without hf_zeropp
+
+
+def test_accelerate_save_state_load_state_resumes_exactly_with_zeropp(tmp_path):
+    _accelerate(tmp_path, "recipes/zeropp/zeropp.yaml", "--steps", "6", "--save-state-at", "3")
+    assert (tmp_path / "state" / "zeropp_model_0" / "zeropp_meta.json").is_file()
+    _accelerate(tmp_path, "recipes/zeropp/zeropp.yaml", "--steps", "6", "--resume")
+    first = json.loads((tmp_path / "metrics.json").read_text())
+    resumed = json.loads((tmp_path / "metrics_resumed.json").read_text())
+    assert first[-1]["loss"] < first[0]["loss"]
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in first[3:]]
+
+
+def _trainer(output: Path, *extra: str) -> list[dict]:
+    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_gpt.py",
+             "recipes/gpt350m_pile/mini/zero3.yaml", "--zeropp", "zeropp", "--output_dir", str(output),
+             "--logging_steps", "2", "--eval_steps", "4", *extra], {"ZEROPP_NODE_SIZE": "2"})
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trainer_from_the_command_line_logs_comm_and_resumes(tmp_path):
+    full = _trainer(tmp_path / "full", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "4")
+    train_logs = [m for m in full if "loss" in m]
+    assert train_logs[-1]["loss"] < train_logs[0]["loss"]
+    assert train_logs[0]["zeropp/bwd_allgather_inter_node_bytes"] == 0  # hpZ
+    assert train_logs[0]["zeropp/qgz_inter_inter_node_bytes"] > 0  # qgZ ran
+    assert 0 < train_logs[0]["zeropp/fwd_allgather_relative_error"] < 0.02  # INT8 weights
+    assert any("eval_loss" in m for m in full)
+    checkpoint = tmp_path / "full" / "checkpoint-4"
+    assert (checkpoint / "zeropp_optimizer" / "zeropp_meta.json").is_file()
+    resumed = _trainer(tmp_path / "resumed", "--max_steps", "8", "--resume_from_checkpoint", str(checkpoint))
+    loss_at = {m["step"]: m["loss"] for m in train_logs}
+    resumed_at = {m["step"]: m["loss"] for m in resumed if "loss" in m}
+    assert resumed_at[8] == pytest.approx(loss_at[8], rel=1e-6), (resumed_at, loss_at)
+    from transformers import GPT2LMHeadModel
+
+    GPT2LMHeadModel.from_pretrained(tmp_path / "full")
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_zeropp.data import stdlib_source_bytes
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<pad>"])
+    tokenizer.train_from_iterator([stdlib_source_bytes(100_000).decode("utf-8", "ignore")], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def _sft_run(output: str):
+    from datasets import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from trl import SFTConfig, SFTTrainer
+
+    import hf_zeropp
+
+    class ZeroPPSFTTrainer(hf_zeropp.ZeroPPTrainerMixin, SFTTrainer):
+        pass
+
+    tokenizer = _tiny_tokenizer()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                       bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                       pad_token_id=tokenizer.pad_token_id))
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(64)]
+    config_class = hf_zeropp.with_zeropp_field(SFTConfig)
+    args = config_class(output_dir=output, max_steps=6, per_device_train_batch_size=4, learning_rate=3e-3,
+                        logging_steps=2, save_strategy="no", report_to="none", use_cpu=True, max_length=64,
+                        zeropp={"preset": "zeropp", "node_size": 1}, seed=0)
+    trainer = ZeroPPSFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                               processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"logs": logs, "sharded": hasattr(trainer.model, "_zeropp")}
+
+
+def test_trl_sft_trainer_with_the_mixin(tmp_path):
+    pytest.importorskip("trl", reason="TRL is optional (pip install hf_zeropp[rlhf]); scripts/setup.sh installs it")
+    result = run_distributed(_sft_run, 2, str(tmp_path))[0]
+    assert result["sharded"]
+    logs = result["logs"]
+    assert logs[-1]["loss"] < logs[0]["loss"], logs
+    assert logs[0]["zeropp/qgz_inter_inter_node_bytes"] > 0  # 2 nodes of 1 rank: qgZ runs its inter-node hop only
+    from transformers import GPT2LMHeadModel
+
+    GPT2LMHeadModel.from_pretrained(tmp_path)
+
+
+def _prepare_twice():
+    import hf_zeropp
+    from tiny_models import tiny_gpt2
+
+    accelerator = hf_zeropp.Accelerator(zeropp="zero3")
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    try:
+        accelerator.prepare(model, optimizer)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_bad_inputs_of_the_integrations():
+    import hf_zeropp
+    from hf_zeropp.accelerate_integration import as_zeropp_config
+
+    with pytest.raises(ValueError, match="'zerop' is neither a preset"):
+        as_zeropp_config("zerop")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        as_zeropp_config("configs/missing.yaml")
+    with pytest.raises(ValueError, match=r"unknown hf_zeropp option\(s\) \['qwz'\]"):
+        as_zeropp_config({"qwz": True})
+    with pytest.raises(ValueError, match="hpz_partition_size needs stage 3, but stage=2"):
+        as_zeropp_config({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}})
+    with pytest.raises(ValueError, match="neither a preset"):
+        hf_zeropp.ZeroPPTrainingArguments(output_dir="/tmp/unused", zeropp="zero4")
+    messages = run_distributed(_prepare_twice, 2)
+    assert all("already prepared" in m for m in messages), messages
