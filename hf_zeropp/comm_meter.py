@@ -24,8 +24,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from .topology import Topology
 
-KINDS = ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter", "grad_allreduce", "qgz_intra", "qgz_inter")
-
 
 class CommMeter:
     """Per-rank byte counters by collective kind and by intra/inter node."""

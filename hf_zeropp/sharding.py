@@ -23,11 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from . import kernels
 from .comm_meter import CommMeter
 from .config import ResolvedConfig, ZeroPPConfig
+from .frozen import quantize_frozen_weights
 from .hpz import set_hpz, shared_hpz_mesh
 from .topology import Topology, get_topology
 
@@ -59,10 +60,6 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     before the first collective.
     """
     config = _as_config(config)
-    if config.quantized_nontrainable_weights:
-        raise NotImplementedError(
-            "quantized_nontrainable_weights (frozen INT8 weights) is not implemented yet; set it to False"
-        )
     if getattr(model, "_zeropp", None) is not None:
         raise ValueError("this model is already sharded by hf_zeropp; call shard_model once per model")
     if not dist.is_available() or not dist.is_initialized():
@@ -72,7 +69,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
         )
     resolved = config.resolve(dist.get_world_size(), _local_world_size())
     device = torch.device(device) if device is not None else _default_device()
-    units = _units(model, config.wrap_modules)
+    _units(model, config.wrap_modules)  # a wrap_modules that matches nothing fails before any collective
     if config.kernel_backend is not None:
         kernels.set_default_backend(config.kernel_backend)  # validated by the config
 
@@ -82,6 +79,10 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     original_class = type(model)
     if device.type != "cpu" or any(p.device.type != device.type for p in model.parameters()):
         model.to(device)
+    if config.quantized_nontrainable_weights:
+        quantize_frozen_weights(model, topology, meter, config.weight_bits, config.block_size,
+                                _DTYPES[config.mixed_precision])
+    units = _units(model, config.wrap_modules)
     if config.activation_checkpointing:
         _enable_activation_checkpointing(model, units)
 
@@ -101,6 +102,9 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
             for unit in [*units, model]:
                 fully_shard(unit, mesh=topology.world_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
 
+    if callable(getattr(model, "generate", None)):
+        # generate() calls forward without the root module's __call__: let FSDP gather the root's weights for it
+        register_fsdp_forward_method(model, "generate")
     # FSDP2 renames the class (FSDPGPT2LMHeadModel); keep the real name so that save_pretrained writes a config
     # (``architectures``) that plain transformers loads
     type(model).__name__, type(model).__qualname__ = original_class.__name__, original_class.__qualname__

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+DEFAULT_PG_TIMEOUT = 120.0  # seconds a collective may wait for a peer before the process group gives up
 
 
 def _free_port() -> int:
@@ -20,12 +24,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, node_size, port, fn, args, queue):
+def _worker(rank, world_size, node_size, port, fn, args, queue, pg_timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank % node_size), LOCAL_WORLD_SIZE=str(node_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         result = fn(*args)
         dist.barrier()
         buffer = io.BytesIO()  # plain bytes: tensors shared through the queue die with this process
@@ -38,31 +42,91 @@ def _worker(rank, world_size, node_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, node_size: int | None = None, timeout: float = 300.0) -> list:
-    """``fn(*args)`` on every rank (LOCAL_WORLD_SIZE = node_size); returns the per-rank results in rank order."""
+def _exit_description(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def run_distributed(fn, world_size: int, *args, node_size: int | None = None, timeout: float = 300.0,
+                    pg_timeout: float | timedelta = DEFAULT_PG_TIMEOUT) -> list:
+    """``fn(*args)`` on every rank (LOCAL_WORLD_SIZE = node_size); returns the per-rank results in rank order.
+
+    ``timeout``: seconds to wait for the next rank to report before giving up. ``pg_timeout``: the process group's
+    timeout (how long a collective waits for a missing peer). A rank that dies without reporting (a crash, a
+    SIGKILL, the OOM killer) fails the run as soon as it is noticed instead of after ``timeout``; the error names
+    every rank that failed within a few seconds of the first, not only the first.
+    """
     node_size = node_size or world_size
+    if isinstance(pg_timeout, timedelta):
+        pg_timeout = pg_timeout.total_seconds()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, node_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, node_size, port, fn, args, queue, pg_timeout),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                break
+        _collect(procs, queue, results, errors, timeout)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
     if errors:
-        raise AssertionError("distributed run failed\n" + "\n".join(errors))
+        raise AssertionError("distributed run failed\n" + "\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
+
+
+def _collect(procs, queue, results: dict, errors: dict, timeout: float, grace: float = 3.0) -> None:
+    """Read the ranks' reports until all are in, one fails (plus ``grace`` seconds for the others' errors), a rank
+    dies without reporting, or no report arrives for ``timeout`` seconds."""
+    last_progress = time.monotonic()
+    first_error_at: float | None = None
+    while len(results) + len(errors) < len(procs):
+        now = time.monotonic()
+        if first_error_at is not None and now - first_error_at > grace:
+            return
+        if now - last_progress > timeout:
+            silent = [r for r in range(len(procs)) if r not in results and r not in errors]
+            errors.update({r: f"no report within {timeout:.0f} s ({_exit_description(procs[r].exitcode)})"
+                           for r in silent})
+            return
+        try:
+            rank, status, payload = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if r not in results and r not in errors and p.exitcode is not None]
+            if dead:
+                _drain(queue, results, errors, wait=1.0)  # its report may still be in the pipe
+                for r in dead:
+                    if r not in results and r not in errors:
+                        errors[r] = f"died without reporting ({_exit_description(procs[r].exitcode)})"
+                        first_error_at = first_error_at or time.monotonic()
+            continue
+        last_progress = time.monotonic()
+        if status == "ok":
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors[rank] = payload
+            first_error_at = first_error_at or last_progress
+
+
+def _drain(queue, results: dict, errors: dict, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            rank, status, payload = queue.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queue_module.Empty:
+            return
+        if status == "ok":
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors[rank] = payload

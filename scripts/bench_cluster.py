@@ -367,7 +367,7 @@ def worker(args) -> None:
             f"{e['name']} {statistics.median(e['times'][-args.steps:]):.2f}s" for e in entries))
 
     for entry in entries:  # where the time goes in the quantized configurations (not part of the timing above)
-        if args.breakdown_steps <= 0 or not entry["metered"] or entry["name"] in ("ZeRO-3", "+hpZ"):
+        if args.breakdown_steps <= 0 or not entry["metered"]:
             continue
         with _Breakdown() as breakdown:
             dist.barrier()
@@ -425,6 +425,7 @@ def run_link(link: str, args, out: Path, probe_mb: float) -> dict:
            str(HERE / "bench_cluster.py"), *worker_args]
     print(f"== link {link}: {' '.join(cmd)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    load_before = os.getloadavg()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     try:
         status = proc.wait(timeout=args.timeout)
@@ -436,6 +437,7 @@ def run_link(link: str, args, out: Path, probe_mb: float) -> dict:
         raise SystemExit(f"link {link}: the emulated run failed (status {status}); see the output above")
     result = json.loads(raw.read_text())
     result["emulator"] = json.loads(counters.read_text())
+    result["loadavg_before_after"] = [load_before, os.getloadavg()]
     return result
 
 
@@ -453,7 +455,9 @@ def analyse(link_results: dict[str, dict], args) -> dict:
             n_steps = len(steps)
             metered = per_rank[0][name]["stats"] is not None
             key = "stats" if metered else "derived_stats"
+            quartiles = statistics.quantiles(steps, n=4) if len(steps) > 1 else [median, median, median]
             row = {"median_step_s": median, "mean_step_s": statistics.fmean(steps), "steps": steps,
+                   "p25_step_s": quartiles[0], "p75_step_s": quartiles[2],
                    "tokens_per_s": tokens_per_step / median, "timed_steps": n_steps}
             if per_rank[0][name].get(key) is not None:
                 stats = [r[name][key] for r in per_rank]
@@ -498,6 +502,7 @@ def analyse(link_results: dict[str, dict], args) -> dict:
             if z3:
                 row["speedup_vs_zero3"] = z3["median_step_s"] / row["median_step_s"]
         summary["links"][link] = {"rows": rows, "probe": res.get("probe"), "params": res["params"],
+                                  "loadavg_before_after": res.get("loadavg_before_after"),
                                   "tokens_per_step": tokens_per_step, "implementations": res["implementations"],
                                   "emulator": {k: v for k, v in res["emulator"].items() if k != "command"}}
     summary["targets"] = targets(summary["links"])
@@ -535,7 +540,10 @@ def markdown(summary: dict, args) -> str:
         f"{first['params'] / 1e6:.2f}M parameters; {args.batch_per_rank} x {args.seq_len} tokens per rank, "
         f"{first['tokens_per_step']} tokens per step; {args.nodes} emulated nodes x {args.nproc_per_node} ranks "
         f"(gloo), {args.precision} weights and gradient reduction. Median step time over "
-        f"{args.rounds * args.steps} timed steps per configuration (rounds interleaved) after {args.warmup} warm-up.",
+        f"{args.rounds * args.steps} timed steps per configuration (rounds interleaved) after {args.warmup} warm-up; "
+        "a step's time is the slowest rank's. Load average of the machine before/after each link's run: " +
+        ", ".join(f"{_link_label(l)} {d['loadavg_before_after'][0][0]:.1f}/{d['loadavg_before_after'][1][0]:.1f}"
+                  for l, d in summary["links"].items() if d.get("loadavg_before_after")) + ".",
         "",
         "Wire bytes are per node per step over the node's veth (TCP payload = tx_bytes - 66 B x packets); "
         "'expected' = comm_stats logical inter-node bytes x gloo's algorithm factor (all-gather ring "
@@ -543,7 +551,7 @@ def markdown(summary: dict, args) -> str:
         "meter: its logical bytes are derived from its FSDP2 units with the meter's rule (the same derivation "
         "applied to ZeRO-3 matches ZeRO-3's meter; see results.json derived_vs_meter).",
         "",
-        "| link | config | step (s) | tokens/s | vs FSDP2 | vs ZeRO-3 | logical inter (MB/step, all ranks) "
+        "| link | config | step s (p25–p75) | tokens/s | vs FSDP2 | vs ZeRO-3 | logical inter (MB/step, all ranks) "
         "| expected wire (MB/node/step) | measured wire (MB/node/step) | meter vs counter |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -553,7 +561,9 @@ def markdown(summary: dict, args) -> str:
             expected = row.get("expected_wire_per_node_per_step")
             measured = row.get("measured_wire_per_node_per_step")
             error = row.get("wire_error")
-            cells = [_link_label(link), name, f"{row['median_step_s']:.3f}", f"{row['tokens_per_s']:.0f}",
+            cells = [_link_label(link), name,
+                     f"{row['median_step_s']:.3f} ({row['p25_step_s']:.2f}–{row['p75_step_s']:.2f})",
+                     f"{row['tokens_per_s']:.0f}",
                      f"{row['speedup_vs_fsdp2']:.2f}x" if "speedup_vs_fsdp2" in row else "-",
                      f"{row['speedup_vs_zero3']:.2f}x" if "speedup_vs_zero3" in row else "-",
                      f"{logical / 1e6:.2f}" if logical is not None else "-"]
@@ -641,12 +651,12 @@ def chart(summary: dict, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/bench_cluster", help="folder for results.json/.md/.png")
-    parser.add_argument("--quick", action="store_true", help="fewer steps (1 warm-up, 2 rounds x 1 step, 1 breakdown step)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (1 warm-up, 3 rounds x 1 step, 1 breakdown step)")
     parser.add_argument("--links", default=",".join(LINKS), help="comma list of link rates; default %(default)s")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2, help="steps per configuration per round")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=1, help="steps per configuration per round")
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--n-head", type=int, default=4)
@@ -672,7 +682,7 @@ def main() -> int:
         worker(args)
         return 0
     if args.quick:
-        args.warmup, args.rounds, args.steps = 1, 2, 1
+        args.warmup, args.rounds, args.steps = 1, 3, 1
         args.breakdown_steps = min(args.breakdown_steps, 1)
     problem = _emulator().requirements_problem()
     if problem:

@@ -1,11 +1,16 @@
-"""Cross-node communication per training step, ZeRO-3 vs ZeRO++ — the analog of the ZeRO++ paper's Table 1.
+"""Communication and per-rank memory per training step, measured on local gloo processes.
 
-    python scripts/comm_table.py [--world 4 --node-size 2] [--json out.json]
+    python scripts/comm_table.py [--configs zeropp|stages] [--world 4 --node-size 2] [--json out.json]
 
-Runs one measured step of a GPT-2-style model (bf16 weights, bf16 gradient reduction, as in the paper's M) on
-local gloo processes that emulate ``world / node_size`` nodes, for ZeRO-3, each ZeRO++ technique alone and all
-three, and prints the bytes each rank sent to other nodes per collective as a fraction of ZeRO-3's — the paper's
-theory is forward 1 → 0.5 (qwZ), backward 1 → 0 (hpZ), gradients 1 → 0.25 (qgZ), total 3 → 0.75 (0.25x).
+Runs one measured optimizer step of a GPT-2-style model (bf16 weights, bf16 gradient reduction, as in the paper's
+M) on processes that emulate ``world / node_size`` nodes.
+
+``--configs zeropp`` (default): ZeRO-3, each ZeRO++ technique alone and all three; prints the bytes each rank sent
+to other nodes per collective as a fraction of ZeRO-3's — the ZeRO++ paper's Table 1, whose theory is forward
+1 → 0.5 (qwZ), backward 1 → 0 (hpZ), gradients 1 → 0.25 (qgZ), total 3 → 0.75 (0.25x).
+
+``--configs stages``: ZeRO stages 0-3; prints per-rank parameter, gradient and optimizer-state bytes at rest, the
+gathered weights held after forward, and the bytes sent per step, beside the ZeRO formulas.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ import torch.distributed as dist
 
 from hf_zeropp.spawn import run_distributed
 
-CONFIGS = {
+STAGE_CONFIGS = {
+    "stage 0 (DDP)": {"stage": 0},
+    "stage 1": {"stage": 1},
+    "stage 2": {"stage": 2},
+    "stage 3": {"stage": 3},
+}
+ZEROPP_CONFIGS = {
     "ZeRO-3": {},
     "+qwZ": {"quantized_weights": True},
     "+hpZ": {"hpz_partition_size": "node"},
@@ -40,12 +51,36 @@ def _measure(configs: dict[str, dict]) -> dict:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=4, n_head=4,
                                            bos_token_id=0, eos_token_id=0))
         params = sum(p.numel() for p in model.parameters())
-        config = hf_zeropp.ZeroPPConfig(stage=3, mixed_precision="bf16", reduce_dtype="bf16", **options)
+        config = hf_zeropp.ZeroPPConfig(**{"stage": 3, "mixed_precision": "bf16", "reduce_dtype": "bf16", **options})
         hf_zeropp.shard_model(model, config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
-        model(input_ids=ids, labels=ids).loss.backward()
-        out[name] = {"stats": hf_zeropp.comm_stats(model, reset=True), "params": params}
+        loss = model(input_ids=ids, labels=ids).loss
+        gathered_after_forward = hf_zeropp.gathered_parameter_bytes(model)
+        loss.backward()
+        optimizer.step()
+        out[name] = {"stats": hf_zeropp.comm_stats(model, reset=True), "params": params,
+                     "state": hf_zeropp.state_bytes(model, optimizer), "gathered": gathered_after_forward}
     return out
+
+
+def memory_table(results: dict, world: int) -> str:
+    """Per-rank state beside the ZeRO formulas (fp32 master weights/gradients, Adam's two fp32 moments)."""
+    params = next(iter(results.values()))["params"]
+    full = {"parameters": 4 * params, "gradients": 4 * params, "optimizer_state": 8 * params}
+    shards = {0: (), 1: ("optimizer_state",), 2: ("optimizer_state", "gradients"),
+              3: ("optimizer_state", "gradients", "parameters")}
+    lines = ["| configuration | parameters | gradients | optimizer state | ZeRO formula (p / g / os) | "
+             "gathered weights after forward | sent per step (intra / inter) |",
+             "|---|---:|---:|---:|---|---:|---|"]
+    for index, (name, result) in enumerate(results.items()):
+        state, stats = result["state"], result["stats"]["total"]
+        formula = " / ".join(f"{full[k] / (world if k in shards[index] else 1) / 1e6:.2f}"
+                             for k in ("parameters", "gradients", "optimizer_state"))
+        lines.append(f"| {name} | {state['parameters'] / 1e6:.2f} MB | {state['gradients'] / 1e6:.2f} MB | "
+                     f"{state['optimizer_state'] / 1e6:.2f} MB | {formula} MB | {result['gathered'] / 1e6:.2f} MB | "
+                     f"{stats['intra_node'] / 1e6:.2f} / {stats['inter_node'] / 1e6:.2f} MB |")
+    return "\n".join(lines)
 
 
 def table(results: dict) -> str:
@@ -71,16 +106,21 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", choices=["zeropp", "stages"], default="zeropp")
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--node-size", type=int, default=2)
     parser.add_argument("--json", help="also write the raw per-rank statistics here")
     args = parser.parse_args()
-    results = run_distributed(_measure, args.world, CONFIGS, node_size=args.node_size)[0]
-    params = results["ZeRO-3"]["params"]
+    configs = ZEROPP_CONFIGS if args.configs == "zeropp" else STAGE_CONFIGS
+    results = run_distributed(_measure, args.world, configs, node_size=args.node_size)[0]
+    params = next(iter(results.values()))["params"]
     print(f"GPT-2-style model, {params / 1e6:.2f}M parameters (M = {2 * params / 1e6:.2f} MB in bf16), "
-          f"{args.world} ranks = {args.world // args.node_size} nodes x {args.node_size}; bytes one rank sends to "
-          f"other nodes in one step (fraction of ZeRO-3's per column):\n")
-    print(table(results))
+          f"{args.world} ranks = {args.world // args.node_size} nodes x {args.node_size}, one step, rank 0:\n")
+    if args.configs == "zeropp":
+        print("bytes sent to other nodes (fraction of ZeRO-3's per column):\n")
+        print(table(results))
+    else:
+        print(memory_table(results, args.world))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)

@@ -1,0 +1,150 @@
+"""Frozen weights stored as INT8 shards (``quantized_nontrainable_weights``): ZeRO++ for LoRA and RLHF.
+
+In LoRA fine-tuning and RLHF the frozen base weights dominate memory and — through generation, which runs many
+forwards per step — communication. Every frozen floating weight of an ``nn.Linear``, transformers ``Conv1D`` or
+``nn.Embedding`` is quantized once, from the real weights, when the model is sharded: each rank keeps its 1/N
+shard of block-quantized INT8 codes and scales, and with hpZ also its 1/k slice of the node's copy (frozen weights
+never change, so that secondary copy is built once and kept for the whole run). A use gathers the codes — inside
+the node with hpZ, across the world without — and dequantizes them into a temporary compute-dtype tensor that is
+freed after the op; backward gathers again instead of keeping the weight alive between forward and backward.
+The weights leave FSDP entirely (they are no longer parameters); FSDP shards the trainable rest as usual.
+
+What the model saves: the trainable parameters and small frozen ones (LayerNorm); the INT8-stored base weights
+are not part of its state dict — with peft the adapter is what is saved, and the base comes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import kernels
+from .comm_meter import CommMeter, all_gather_single, nbytes
+from .topology import Topology
+
+
+class FrozenInt8Weight:
+    """One frozen weight: this rank's INT8 shard (and hpZ slice), gathered and dequantized on use."""
+
+    def __init__(self, weight: torch.Tensor, topology: Topology, meter: CommMeter, bits: int,
+                 block_size: int) -> None:
+        self.shape, self.dtype, self.numel = weight.shape, weight.dtype, weight.numel()
+        self.topology, self.meter, self.bits, self.block_size = topology, meter, bits, block_size
+        world = topology.world_size
+        self.shard_numel = -(-self.numel // world)
+        rows = torch.zeros(world * self.shard_numel, dtype=weight.dtype, device=weight.device)
+        rows[: self.numel] = weight.detach().reshape(-1)
+        # every rank holds the full weight now, so all shards' codes are computed locally: no communication
+        codes, scales = kernels.quantize(rows.view(world, self.shard_numel), bits, block_size)
+        hpz = topology.hpz_mesh
+        if hpz is not None:  # this rank's 1/k slice of the node's copy: every later gather stays in the node
+            self.group = hpz.get_group(1)
+            position, size = dist.get_rank(self.group), topology.hpz_size
+        else:  # this rank's 1/N shard, gathered over the world
+            self.group = topology.world_mesh.get_group()
+            position, size = topology.rank, world
+        self.codes = codes.view(size, -1)[position].clone()
+        self.scales = scales.view(size, -1)[position].clone()
+        self.uses_hpz = hpz is not None
+
+    def stored_bytes(self) -> int:
+        return nbytes(self.codes) + nbytes(self.scales)
+
+    def materialize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The full weight in ``dtype``: a temporary tensor, gathered (INT8) and dequantized now."""
+        codes, scales = self.codes, self.scales
+        peers = dist.get_world_size(self.group)
+        gathered_codes = codes.new_empty(peers * codes.numel())
+        gathered_scales = scales.new_empty(peers * scales.numel())
+        all_gather_single(gathered_codes, codes, group=self.group)
+        all_gather_single(gathered_scales, scales, group=self.group)
+        self.meter.record("frozen_allgather", self.group, nbytes(codes) + nbytes(scales),
+                          f"frozen int{self.bits} weight all_gather" + (" (hpZ copy)" if self.uses_hpz else ""))
+        world = self.topology.world_size
+        weight = kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(world, -1), bits=self.bits,
+                                    block_size=self.block_size, length=self.shard_numel, dtype=dtype)
+        return weight.view(-1)[: self.numel].view(self.shape)
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    """``x @ W`` (``transpose=False``, Conv1D layout) or ``x @ W.T`` (nn.Linear) with a gathered-on-use W.
+
+    Nothing of W is saved for backward: backward gathers it again, as FSDP regathers an unsharded parameter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, store: FrozenInt8Weight, transpose: bool) -> torch.Tensor:
+        ctx.store, ctx.transpose = store, transpose
+        weight = store.materialize(x.dtype)
+        return x @ (weight.t() if transpose else weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        weight = ctx.store.materialize(grad_output.dtype)
+        return grad_output @ (weight if ctx.transpose else weight.t()), None, None
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out = _FrozenMatmul.apply(x, self._zeropp_frozen, True)
+    return out + self.bias if self.bias is not None else out
+
+
+def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = _FrozenMatmul.apply(x, self._zeropp_frozen, False)
+    return out + self.bias if self.bias is not None else out
+
+
+def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    weight = self._zeropp_frozen.materialize(self._zeropp_compute_dtype)
+    return F.embedding(ids, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                       self.sparse)
+
+
+def _forward_for(module: nn.Module):
+    if isinstance(module, nn.Linear):
+        return _linear_forward
+    if isinstance(module, nn.Embedding):
+        return _embedding_forward
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' GPT-2 projection layer
+        return _conv1d_forward
+    return None
+
+
+def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMeter, bits: int, block_size: int,
+                            compute_dtype: torch.dtype) -> dict[str, FrozenInt8Weight]:
+    """Replace every frozen floating weight of a Linear/Conv1D/Embedding by INT8 shards; returns them by name.
+
+    Tied weights (one Parameter used by several modules) share one store. Non-floating frozen tensors and frozen
+    parameters of other modules (LayerNorm) stay as they are.
+    """
+    stores: dict[int, FrozenInt8Weight] = {}
+    converted: dict[str, FrozenInt8Weight] = {}
+    for name, module in model.named_modules():
+        forward = _forward_for(module)
+        weight = module._parameters.get("weight") if forward is not None else None
+        if weight is None or weight.requires_grad or not weight.is_floating_point():
+            continue
+        store = stores.get(id(weight))
+        if store is None:
+            store = stores[id(weight)] = FrozenInt8Weight(weight, topology, meter, bits, block_size)
+        del module._parameters["weight"]
+        # a shape/dtype-only stand-in, for code (peft, generation utilities) that inspects `.weight`
+        module.weight = torch.empty(store.shape, dtype=weight.dtype, device="meta")
+        module._zeropp_frozen = store
+        module._zeropp_compute_dtype = compute_dtype or weight.dtype
+        module.forward = types.MethodType(forward, module)
+        converted[f"{name}.weight" if name else "weight"] = store
+    if not converted:
+        warnings.warn("quantized_nontrainable_weights=True but the model has no frozen Linear/Conv1D/Embedding "
+                      "weights; nothing was quantized (freeze the base model, e.g. with peft, first)", stacklevel=3)
+    return converted
+
+
+def frozen_weight_bytes(model: nn.Module) -> int:
+    """Bytes this rank holds for INT8-stored frozen weights (shards, scales and hpZ copies)."""
+    stores = {id(m._zeropp_frozen): m._zeropp_frozen for m in model.modules() if hasattr(m, "_zeropp_frozen")}
+    return sum(store.stored_bytes() for store in stores.values())

@@ -1,0 +1,173 @@
+"""Frozen weights stored INT8 (issue F): LoRA gradients, the quantization bound, node-local traffic with hpZ
+(training and generation), peft adapter save/merge, and the no-frozen-weights warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_zeropp.spawn import run_distributed
+from tiny_models import global_batch, tiny_gpt2
+
+BLOCK = 64
+WORLD = 4
+
+
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_gpt2(n_embd=64)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
+                                            lora_dropout=0.0, init_lora_weights=False))
+
+
+def _dequantized_reference(model, world: int = WORLD):
+    """The same model with every frozen matrix replaced by its stored INT8 value (the shard layout's blocks)."""
+    import hf_zeropp.kernels as K
+
+    for parameter in model.parameters():
+        if parameter.requires_grad or parameter.dim() < 2:
+            continue
+        n = parameter.numel()
+        shard = -(-n // world)
+        rows = torch.zeros(world * shard)
+        rows[:n] = parameter.detach().reshape(-1)
+        codes, scales = K.quantize(rows.view(world, shard), 8, BLOCK)
+        restored = K.dequantize(codes, scales, bits=8, block_size=BLOCK, length=shard).view(-1)[:n]
+        parameter.data.copy_(restored.view(parameter.shape))
+    return model
+
+
+def _lora_run(mixed_precision: str, output: str | None):
+    from torch.distributed.tensor import DTensor
+
+    import hf_zeropp
+    from hf_zeropp.frozen import frozen_weight_bytes
+
+    model = _lora_model()
+    originals = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and p.dim() == 2}
+    config = hf_zeropp.ZeroPPConfig(stage=3, quantized_nontrainable_weights=True, hpz_partition_size="node",
+                                    block_size=BLOCK, mixed_precision=mixed_precision)
+    hf_zeropp.shard_model(model, config)
+    ids = global_batch(0, 8).chunk(dist.get_world_size())[dist.get_rank()]
+    hf_zeropp.comm_stats(model, reset=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().clone()
+             for n, p in model.named_parameters() if p.requires_grad}
+    stats = hf_zeropp.comm_stats(model, reset=True)
+    # the stored weights against the originals: within half a quantization step
+    bound_ok = True
+    for module_name, module in model.named_modules():
+        store = getattr(module, "_zeropp_frozen", None)
+        name = f"{module_name}.weight"
+        if store is None or name not in originals:
+            continue
+        restored = store.materialize(torch.float32)
+        original = originals[name].reshape(-1)
+        shard = store.shard_numel
+        rows = torch.zeros(WORLD * shard)
+        rows[: original.numel()] = original
+        step = torch.nn.functional.pad(rows.view(WORLD, shard).abs(), (0, -shard % BLOCK)).view(WORLD, -1, BLOCK)
+        step = (step.amax(-1) / 127).repeat_interleave(BLOCK, -1)[:, :shard].reshape(-1)[: original.numel()]
+        bound_ok &= bool(((restored.reshape(-1) - original).abs() <= step / 2 * (1 + 1e-5) + 1e-12).all())
+    # generation: every forward gathers the frozen weights from the node-local copy
+    with torch.no_grad():
+        model.generate(input_ids=ids[:1, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    generation = hf_zeropp.comm_stats(model, reset=True)
+    result = {"grads": grads, "stats": stats, "generation": generation, "bound_ok": bound_ok,
+              "frozen_bytes": frozen_weight_bytes(model)}
+    if output:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        optimizer.step()
+        hf_zeropp.save_pretrained(model, output)
+        result["adapter"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                             for n, p in model.named_parameters() if p.requires_grad}
+    return result
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
+    output = str(tmp_path_factory.mktemp("adapter"))
+    return run_distributed(_lora_run, WORLD, "no", output, node_size=2), output
+
+
+def test_lora_gradients_equal_a_reference_with_the_dequantized_base(fp32_run):
+    results, _ = fp32_run
+    reference = _dequantized_reference(_lora_model())
+    ids = global_batch(0, 8)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    grads = results[0]["grads"]
+    assert len(grads) == 12  # A and B of c_attn, attn.c_proj and mlp.c_proj in 2 blocks
+    for name, parameter in reference.named_parameters():
+        if parameter.requires_grad:
+            error = float((grads[name] - parameter.grad).norm() / parameter.grad.norm())
+            assert error <= 1e-5, (name, error)
+
+
+def test_stored_weights_are_within_the_quantization_bound_and_half_the_bf16_bytes(fp32_run):
+    results, _ = fp32_run
+    assert all(r["bound_ok"] for r in results)
+    model = _lora_model()
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p.dim() == 2)
+    # hpZ keeps the node's 1/k slice (k = 2): INT8 codes plus one fp32 scale per 64 elements
+    expected = frozen / 2 * (1 + 4 / BLOCK)
+    for result in results:
+        assert abs(result["frozen_bytes"] - expected) <= 0.02 * expected, (result["frozen_bytes"], expected)
+    bf16_zero3 = frozen * 2 / WORLD
+    assert results[0]["frozen_bytes"] <= 1.1 * bf16_zero3
+
+
+def test_frozen_weight_traffic_stays_in_the_node_in_training_and_generation(fp32_run):
+    results, _ = fp32_run
+    for result in results:
+        for stats in (result["stats"], result["generation"]):
+            frozen = stats["frozen_allgather"]
+            assert frozen["inter_node"] == 0 and frozen["intra_node"] > 0
+            assert "hpZ copy" in stats["implementations"]["frozen_allgather"]
+        assert result["generation"]["frozen_allgather"]["calls"] >= 5 * 9  # 9 frozen matrices per forward
+
+
+def test_adapter_saves_in_peft_format_and_merges(fp32_run):
+    from peft import PeftModel
+
+    results, output = fp32_run
+    adapter = results[0]["adapter"]
+    loaded = PeftModel.from_pretrained(tiny_gpt2(n_embd=64), output)
+    for name, value in loaded.named_parameters():
+        if "lora_" in name:
+            trained = adapter[name]
+            assert torch.equal(value.detach(), trained), name
+    ids = global_batch(1, 2)
+    with torch.no_grad():
+        unmerged = loaded(input_ids=ids).logits
+        merged = loaded.merge_and_unload()(input_ids=ids).logits
+    assert torch.allclose(unmerged, merged, atol=1e-4)
+
+
+def test_bf16_compute_tracks_the_reference():
+    results = run_distributed(_lora_run, WORLD, "bf16", None, node_size=2)
+    reference = _dequantized_reference(_lora_model())
+    ids = global_batch(0, 8)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    for name, parameter in reference.named_parameters():
+        if parameter.requires_grad:
+            error = float((results[0]["grads"][name] - parameter.grad).norm() / parameter.grad.norm())
+            assert error <= 0.05, (name, error)
+
+
+def _no_frozen():
+    import warnings
+
+    import hf_zeropp
+
+    model = tiny_gpt2()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(stage=3, quantized_nontrainable_weights=True))
+    return [str(w.message) for w in caught]
+
+
+def test_no_frozen_weights_warns_and_changes_nothing():
+    messages = run_distributed(_no_frozen, 2)[0]
+    assert any("has no frozen Linear/Conv1D/Embedding weights; nothing was quantized" in m for m in messages)
