@@ -3,7 +3,10 @@
 Both are written atomically: every rank writes into a hidden ``.<name>.partial`` folder beside the target, and
 only when all ranks are done does rank 0 rename it into place (a rename within one file system is atomic). A
 crash mid-save therefore leaves the previous checkpoint as the newest complete one, and
-:func:`latest_checkpoint` never returns a partial folder.
+:func:`latest_checkpoint` never returns a partial folder. Overwriting an existing folder takes two renames (old
+folder aside to ``.<name>.replaced``, new one into place); a crash between them leaves ``.<name>.replaced`` as the
+only complete copy, which :func:`latest_checkpoint` then returns and the next save of that name keeps until the
+new folder is in place.
 
 A sharded checkpoint holds the model and optimizer state as DCP shards (loadable on another world size: DCP
 reshards), the scheduler, every rank's RNG state, the step and ``extra`` (JSON) in ``zeropp_meta.json``.
@@ -11,6 +14,7 @@ reshards), the scheduler, every rank's RNG state, the step and ``extra`` (JSON) 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -60,15 +64,24 @@ def _begin(directory: Path) -> Path:
     return partial
 
 
+def _replaced_dir(directory: Path) -> Path:
+    return directory.parent / f".{directory.name}.replaced"
+
+
 def _commit(partial: Path, directory: Path) -> None:
-    """All ranks have written into ``partial``: rank 0 swaps it into place."""
+    """All ranks have written into ``partial``: rank 0 swaps it into place.
+
+    At every instant a complete copy stays on disk: ``directory`` itself, or — between the two renames, or after a
+    crash there — ``.<name>.replaced``, which is only deleted once the new ``directory`` is in place.
+    """
     _barrier()
     if _rank() == 0:
         _fsync_tree(partial)
-        replaced = directory.parent / f".{directory.name}.replaced"
-        shutil.rmtree(replaced, ignore_errors=True)
+        replaced = _replaced_dir(directory)
         if directory.exists():
+            shutil.rmtree(replaced, ignore_errors=True)  # a stale copy: ``directory`` is complete
             directory.rename(replaced)
+        # else: a ``.replaced`` left by a crash between the renames is the only complete copy; keep it until now
         partial.rename(directory)
         _fsync_dir(directory.parent)
         shutil.rmtree(replaced, ignore_errors=True)
@@ -151,6 +164,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         zeropp = getattr(model, "_zeropp", None)
         if zeropp is not None:
             meta["zeropp_config"] = zeropp.config.to_dict()
+            meta["qgz_calls"] = _qgz_call_counts(model)
         (partial / META_FILE).write_text(json.dumps(meta, indent=2))
     _commit(partial, directory)
     return directory
@@ -173,6 +187,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     _apply_dcp_state(model, optimizer, state)
     if scheduler is not None and (directory / "scheduler.pt").is_file():
         scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
+    _restore_qgz_call_counts(model, meta.get("qgz_calls"))
     rng_file = directory / _RNG_DIR / f"rank{_rank()}.pt"
     same_world = meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1)
     if restore_rng and same_world and rng_file.is_file():
@@ -180,14 +195,85 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     return meta
 
 
+def _qgz_call_counts(model: nn.Module) -> list[int] | None:
+    """How many times each qgZ reduce-scatter has run: its stochastic-rounding seed is derived from that count, so
+    a resumed run must continue the count to draw the same rounding as an uninterrupted one."""
+    counts = []
+    for reduce_scatter in getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []:
+        calls = getattr(reduce_scatter, "_calls", None)
+        if not isinstance(calls, itertools.count):
+            return None  # not the counter this code knows: store nothing rather than something wrong
+        count = next(calls)  # itertools.count cannot be read without advancing it: read, then put back
+        reduce_scatter._calls = itertools.count(count)
+        counts.append(count)
+    return counts
+
+
+def _restore_qgz_call_counts(model: nn.Module, counts: list[int] | None) -> None:
+    reduce_scatters = getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []
+    if not counts or len(counts) != len(reduce_scatters):
+        return  # saved without them, or from a differently wrapped model: seeds restart (only rounding differs)
+    for reduce_scatter, count in zip(reduce_scatters, counts):
+        if isinstance(getattr(reduce_scatter, "_calls", None), itertools.count):
+            reduce_scatter._calls = itertools.count(count)
+
+
 def latest_checkpoint(root: str | os.PathLike, prefix: str = "checkpoint-") -> Path | None:
-    """The complete checkpoint under ``root`` with the highest step number (``<prefix><step>``), if any."""
+    """The complete checkpoint under ``root`` with the highest step number (``<prefix><step>``), if any.
+
+    Hidden ``.<prefix><step>.partial`` folders (a save that did not finish) are never returned. A
+    ``.<prefix><step>.replaced`` folder is returned only when ``<prefix><step>`` itself is missing: it is the
+    previous complete copy of that step, left by a crash between the two renames that overwrite a checkpoint.
+    """
     root = Path(root)
     if not root.is_dir():
         return None
     pattern = re.compile(re.escape(prefix) + r"(\d+)$")
+    replaced = re.compile(r"\." + re.escape(prefix) + r"(\d+)\.replaced$")
+    found: dict[int, Path] = {}
+    for path in root.iterdir():
+        if (m := pattern.match(path.name)) and (path / META_FILE).is_file():
+            found[int(m.group(1))] = path
+    for path in root.iterdir():
+        if (m := replaced.match(path.name)) and (path / META_FILE).is_file():
+            found.setdefault(int(m.group(1)), path)
+    return found[max(found)] if found else None
+
+
+TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME: the last file a Trainer checkpoint gets
+TRAINER_OPTIMIZER_DIR = "zeropp_optimizer"  # hf_zeropp.trainer.OPTIMIZER_DIR
+
+
+def is_complete_trainer_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether a Trainer ``checkpoint-<step>`` folder was written to the end.
+
+    The Trainer writes straight into ``checkpoint-<step>``: weights, then optimizer (for hf_zeropp: the collective,
+    atomic ``zeropp_optimizer/``, whose last barrier means every rank's shards are on disk), RNG states, and
+    ``trainer_state.json`` last. A crash in between leaves a folder with that name but no ``trainer_state.json``,
+    or a hidden ``.zeropp_optimizer.partial``. (Other ranks' ``rng_state_<rank>.pth`` are written without a
+    barrier before ``trainer_state.json``; a crash there loses only those RNG states, which the Trainer then skips
+    with a warning.)
+    """
+    path = Path(path)
+    if not (path / TRAINER_STATE_FILE).is_file() or (path / f".{TRAINER_OPTIMIZER_DIR}.partial").exists():
+        return False
+    optimizer_dir = path / TRAINER_OPTIMIZER_DIR
+    return not optimizer_dir.exists() or (optimizer_dir / META_FILE).is_file()
+
+
+def latest_trainer_checkpoint(output_dir: str | os.PathLike, prefix: str = "checkpoint-") -> Path | None:
+    """The newest *complete* Trainer checkpoint in ``output_dir``, for ``trainer.train(resume_from_checkpoint=...)``.
+
+    transformers' ``get_last_checkpoint`` (what ``resume_from_checkpoint=True`` uses) returns the highest-numbered
+    ``checkpoint-<step>`` folder whether or not it was written to the end; after a crash mid-save that is a partial
+    folder without ``trainer_state.json``, and every resume then fails on it. This skips such folders.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    pattern = re.compile(re.escape(prefix) + r"(\d+)$")
     found = [(int(m.group(1)), path) for path in root.iterdir()
-             if (m := pattern.match(path.name)) and (path / META_FILE).is_file()]
+             if (m := pattern.match(path.name)) and path.is_dir() and is_complete_trainer_checkpoint(path)]
     return max(found)[1] if found else None
 
 

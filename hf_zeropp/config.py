@@ -56,6 +56,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True},
+    "zeropp-lora": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True,
+                    "quantized_nontrainable_weights": True},
     "zeropp-qwz": {"stage": 3, "quantized_weights": True},
     "zeropp-hpz": {"stage": 3, "hpz_partition_size": "node"},
     "zeropp-qgz": {"stage": 3, "quantized_gradients": True},

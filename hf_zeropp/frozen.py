@@ -118,15 +118,19 @@ def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMet
                             compute_dtype: torch.dtype) -> dict[str, FrozenInt8Weight]:
     """Replace every frozen floating weight of a Linear/Conv1D/Embedding by INT8 shards; returns them by name.
 
-    Tied weights (one Parameter used by several modules) share one store. Non-floating frozen tensors and frozen
-    parameters of other modules (LayerNorm) stay as they are.
+    Tied weights (one Parameter used by several modules) share one store. Non-floating frozen tensors, frozen
+    parameters of other modules (LayerNorm) and the output head (with the embedding tied to it) stay as they are:
+    the head's precision matters most for the logits, and RL trainers (TRL's fused log-prob head) read its
+    ``weight`` directly.
     """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kept = {id(head.weight)} if isinstance(getattr(head, "weight", None), torch.Tensor) else set()
     stores: dict[int, FrozenInt8Weight] = {}
     converted: dict[str, FrozenInt8Weight] = {}
     for name, module in model.named_modules():
         forward = _forward_for(module)
         weight = module._parameters.get("weight") if forward is not None else None
-        if weight is None or weight.requires_grad or not weight.is_floating_point():
+        if weight is None or weight.requires_grad or not weight.is_floating_point() or id(weight) in kept:
             continue
         store = stores.get(id(weight))
         if store is None:

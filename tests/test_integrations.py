@@ -78,20 +78,6 @@ def test_trainer_from_the_command_line_logs_comm_and_resumes(tmp_path):
     GPT2LMHeadModel.from_pretrained(tmp_path / "full")
 
 
-def _tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from hf_zeropp.data import stdlib_source_bytes
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<pad>"])
-    tokenizer.train_from_iterator([stdlib_source_bytes(100_000).decode("utf-8", "ignore")], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
-
-
 def _sft_run(output: str):
     from datasets import Dataset
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -102,7 +88,9 @@ def _sft_run(output: str):
     class ZeroPPSFTTrainer(hf_zeropp.ZeroPPTrainerMixin, SFTTrainer):
         pass
 
-    tokenizer = _tiny_tokenizer()
+    from hf_zeropp.data import stdlib_tokenizer
+
+    tokenizer = stdlib_tokenizer(300)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
                                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -163,3 +151,19 @@ def test_bad_inputs_of_the_integrations():
         hf_zeropp.ZeroPPTrainingArguments(output_dir="/tmp/unused", zeropp="zero4")
     messages = run_distributed(_prepare_twice, 2)
     assert all("already prepared" in m for m in messages), messages
+
+
+def test_grpo_lora_recipe_smoke_run(tmp_path):
+    """TRL's GRPOTrainer behind the mixin: LoRA actor, frozen INT8 base with hpZ, 2 emulated nodes x 2."""
+    pytest.importorskip("trl", reason="TRL is optional (pip install hf_zeropp[rlhf]); scripts/setup.sh installs it")
+    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_grpo.py",
+             "recipes/lora_rlhf/mini.yaml", "--max_steps", "3", "--logging_steps", "1", "--output_dir",
+             str(tmp_path)], {"ZEROPP_NODE_SIZE": "2"})
+    logs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [entry for entry in logs if "reward" in entry]
+    assert len(steps) == 3
+    for entry in steps:
+        assert entry["zeropp/frozen_allgather_inter_node_bytes"] == 0  # frozen base: node-local copy only
+        assert entry["zeropp/frozen_allgather_intra_node_bytes"] > 0
+        assert entry["zeropp/bwd_allgather_inter_node_bytes"] == 0
+    assert (tmp_path / "adapter_config.json").is_file() and (tmp_path / "reward.png").is_file()

@@ -1,0 +1,73 @@
+"""One rank of a ZeroPPTrainer run that can crash in the middle of writing a Trainer checkpoint (issue H, item 5).
+
+Usage: ``python tests/trainer_worker.py SPEC.json`` under :mod:`rank_launcher` (RANK, WORLD_SIZE, MASTER_ADDR, ...
+in the environment; Accelerate creates the process group). The spec::
+
+    {"output_dir": "...", "max_steps": 6, "save_steps": 2, "pg_timeout": 20,
+     "kill_at_save": 4,            # optional: rank 1 dies (SIGKILL) when the Trainer saves checkpoint-4, after the
+                                   # consolidated weights were written and before the optimizer shards
+     "resume": true,               # optional: train(resume_from_checkpoint=<this>): true, or a checkpoint path
+     "result": ".../result.json"}  # rank 0 writes what happened: the global step training started from, the log
+
+The Trainer writes its checkpoint straight into ``checkpoint-<step>`` (model, then optimizer, RNG, trainer state),
+so a crash in between leaves a partial folder with that name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import global_batch, tiny_gpt2  # noqa: E402
+
+
+def main() -> None:
+    from transformers import TrainerCallback
+
+    import hf_zeropp
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    result: dict = {"rank": rank}
+
+    class RecordStart(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            result["started_at_step"] = state.global_step
+
+    class CrashingTrainer(hf_zeropp.ZeroPPTrainer):
+        def _save_optimizer_and_scheduler(self, output_dir):
+            if rank == 1 and self.state.global_step == spec.get("kill_at_save"):
+                os.kill(os.getpid(), signal.SIGKILL)  # the weights of this checkpoint are on disk, nothing else
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    batches = torch.cat([global_batch(step, size=8) for step in range(4)])
+    dataset = [{"input_ids": ids, "labels": ids} for ids in batches]
+    args = hf_zeropp.ZeroPPTrainingArguments(
+        output_dir=spec["output_dir"], max_steps=spec["max_steps"], per_device_train_batch_size=2,
+        learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=spec["save_steps"], report_to="none",
+        use_cpu=True, seed=0, ddp_timeout=spec["pg_timeout"], zeropp={"stage": 3}, dataloader_num_workers=0)
+    trainer = CrashingTrainer(model=tiny_gpt2(), args=args, train_dataset=dataset, callbacks=[RecordStart()])
+    try:
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        result["log"] = [entry for entry in trainer.state.log_history if "loss" in entry]
+        result["final_step"] = trainer.state.global_step
+    except Exception as error:  # record what the resume did, then fail this rank as the Trainer would
+        result["error"] = f"{type(error).__name__}: {error}"
+        result["traceback"] = traceback.format_exc()
+        raise
+    finally:
+        if rank == 0:
+            Path(spec["result"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
