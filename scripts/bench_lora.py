@@ -24,6 +24,7 @@ from hf_zeropp.spawn import run_distributed
 
 CONFIGS = {
     "ZeRO-3, bf16 frozen weights": {"stage": 3, "mixed_precision": "bf16"},
+    "ZeRO-3, frozen INT8 (no hpZ)": {"stage": 3, "quantized_nontrainable_weights": True, "mixed_precision": "bf16"},
     "ZeRO++, frozen INT8 + hpZ (+qwZ, qgZ)": {"preset": "zeropp-lora", "mixed_precision": "bf16"},
 }
 NEW_TOKENS = 16

@@ -537,8 +537,8 @@ def trainer_crash(tmp_path_factory):
         path = work / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    return {"crash": crash, "contents": contents, "picked": picked, "resume_true": (resume_true, result("resume_true")),
-            "resume_path": (resume_path, result("resume_path"))}
+    return {"crash": (crash, result("crash")), "contents": contents, "picked": picked,
+            "resume_true": (resume_true, result("resume_true")), "resume_path": (resume_path, result("resume_path"))}
 
 
 @pytest.mark.timeout(600)
@@ -546,8 +546,9 @@ def test_trainer_crash_mid_save_leaves_a_partial_checkpoint_folder(trainer_crash
     """What a crash mid-save leaves: the Trainer writes straight into ``checkpoint-4``, so that name exists with
     the weights but without optimizer shards, RNG states or trainer_state.json; transformers' get_last_checkpoint
     (what resume_from_checkpoint=True uses) returns it; latest_trainer_checkpoint skips it."""
-    crash = trainer_crash["crash"]
+    crash, record = trainer_crash["crash"]
     assert crash[1].returncode == -signal.SIGKILL and crash[0].returncode not in (0, None), crash
+    assert sorted(record["losses"]) == ["1", "2", "3", "4"], record  # step 4 was logged, then its save crashed
     contents = trainer_crash["contents"]
     assert {"trainer_state.json", "model.safetensors", "zeropp_optimizer"} <= set(contents["checkpoint-2"])
     assert "model.safetensors" in contents["checkpoint-4"]
@@ -558,10 +559,14 @@ def test_trainer_crash_mid_save_leaves_a_partial_checkpoint_folder(trainer_crash
 
 @pytest.mark.timeout(600)
 def test_trainer_resumes_exactly_from_the_checkpoint_latest_trainer_checkpoint_picks(trainer_crash):
+    """The workaround until the mixin does it for ``True``: ``resume_from_checkpoint=latest_trainer_checkpoint(out)``
+    resumes from checkpoint-2 and logs the same losses for steps 3 and 4 as the run that crashed."""
     ranks, result = trainer_crash["resume_path"]
     assert all(r.returncode == 0 for r in ranks), [last_error_line(r.log) for r in ranks]
     assert result["started_at_step"] == 2 and result["final_step"] == 6, result
-    assert [entry["step"] for entry in result["log"]] == [3, 4, 5, 6]
+    assert sorted(result["losses"]) == ["3", "4", "5", "6"], result["losses"]
+    crashed = trainer_crash["crash"][1]["losses"]
+    assert [result["losses"][s] for s in ("3", "4")] == [crashed[s] for s in ("3", "4")], (result, crashed)
 
 
 @pytest.mark.timeout(600)

@@ -7,7 +7,8 @@ in the environment; Accelerate creates the process group). The spec::
      "kill_at_save": 4,            # optional: rank 1 dies (SIGKILL) when the Trainer saves checkpoint-4, after the
                                    # consolidated weights were written and before the optimizer shards
      "resume": true,               # optional: train(resume_from_checkpoint=<this>): true, or a checkpoint path
-     "result": ".../result.json"}  # rank 0 writes what happened: the global step training started from, the log
+     "result": ".../result.json"}  # rank 0 writes what happened: the global step training started from, the
+                                   # loss logged at each step of this run (as it happens), the error if any
 
 The Trainer writes its checkpoint straight into ``checkpoint-<step>`` (model, then optimizer, RNG, trainer state),
 so a crash in between leaves a partial folder with that name.
@@ -39,9 +40,19 @@ def main() -> None:
     torch.set_num_threads(1)
     result: dict = {"rank": rank}
 
-    class RecordStart(TrainerCallback):
+    def write_result() -> None:
+        if rank == 0:
+            Path(spec["result"]).write_text(json.dumps(result))
+
+    class Record(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             result["started_at_step"] = state.global_step
+            result["losses"] = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # written as it happens: a crash may follow
+            if logs and "loss" in logs:
+                result["losses"][state.global_step] = logs["loss"]
+                write_result()
 
     class CrashingTrainer(hf_zeropp.ZeroPPTrainer):
         def _save_optimizer_and_scheduler(self, output_dir):
@@ -55,7 +66,7 @@ def main() -> None:
         output_dir=spec["output_dir"], max_steps=spec["max_steps"], per_device_train_batch_size=2,
         learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=spec["save_steps"], report_to="none",
         use_cpu=True, seed=0, ddp_timeout=spec["pg_timeout"], zeropp={"stage": 3}, dataloader_num_workers=0)
-    trainer = CrashingTrainer(model=tiny_gpt2(), args=args, train_dataset=dataset, callbacks=[RecordStart()])
+    trainer = CrashingTrainer(model=tiny_gpt2(), args=args, train_dataset=dataset, callbacks=[Record()])
     try:
         trainer.train(resume_from_checkpoint=spec.get("resume"))
         result["log"] = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -65,8 +76,7 @@ def main() -> None:
         result["traceback"] = traceback.format_exc()
         raise
     finally:
-        if rank == 0:
-            Path(spec["result"]).write_text(json.dumps(result))
+        write_result()
 
 
 if __name__ == "__main__":
