@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .comm_meter import CommMeter, all_gather_single, nbytes
+from .comm_meter import CommMeter, nbytes
+from .qwz import all_gather_quantized
 from .topology import Topology
 
 
@@ -57,13 +58,8 @@ class FrozenInt8Weight:
 
     def materialize(self, dtype: torch.dtype) -> torch.Tensor:
         """The full weight in ``dtype``: a temporary tensor, gathered (INT8) and dequantized now."""
-        codes, scales = self.codes, self.scales
-        peers = dist.get_world_size(self.group)
-        gathered_codes = codes.new_empty(peers * codes.numel())
-        gathered_scales = scales.new_empty(peers * scales.numel())
-        all_gather_single(gathered_codes, codes, group=self.group)
-        all_gather_single(gathered_scales, scales, group=self.group)
-        self.meter.record("frozen_allgather", self.group, nbytes(codes) + nbytes(scales),
+        gathered_codes, gathered_scales = all_gather_quantized(self.codes, self.scales, self.group)
+        self.meter.record("frozen_allgather", self.group, nbytes(self.codes) + nbytes(self.scales),
                           f"frozen int{self.bits} weight all_gather" + (" (hpZ copy)" if self.uses_hpz else ""))
         world = self.topology.world_size
         weight = kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(world, -1), bits=self.bits,

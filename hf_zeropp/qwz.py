@@ -51,17 +51,27 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
         shard_numel = input_tensor.numel()
         original = input_tensor.clone() if self.meter.track_errors else None  # the output overwrites the input
         codes, scales = kernels.quantize(input_tensor, self.bits, self.block_size)
-        gathered_codes = codes.new_empty(world * codes.numel())
-        gathered_scales = scales.new_empty(world * scales.numel())
-        all_gather_single(gathered_codes, codes, group=group)
-        all_gather_single(gathered_scales, scales, group=group)
-        kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(world, -1), bits=self.bits, block_size=self.block_size,
+        gathered_codes, gathered_scales = all_gather_quantized(codes, scales, group)
+        kernels.dequantize(gathered_codes, gathered_scales, bits=self.bits, block_size=self.block_size,
                            length=shard_numel, dtype=output_tensor.dtype, out=output_tensor.view(world, shard_numel))
         if original is not None:
             self.meter.record_error(kind, original, output_tensor.view(world, shard_numel)[dist.get_rank(group)])
         self.meter.record(kind, group, nbytes(codes) + nbytes(scales),
                           f"qwZ int{self.bits} all_gather (block {self.block_size})")
         return None
+
+
+def all_gather_quantized(codes: torch.Tensor, scales: torch.Tensor,
+                         group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather one rank's codes and scales as a single byte buffer (one collective, not two: at these sizes the
+    per-collective latency costs more than the extra copy); returns every rank's codes and scales as rows."""
+    world = dist.get_world_size(group)
+    packed = torch.cat((codes.reshape(-1), scales.reshape(-1).view(torch.int8)))
+    gathered = packed.new_empty(world * packed.numel())
+    all_gather_single(gathered, packed, group=group)
+    rows = gathered.view(world, -1)
+    return (rows[:, : codes.numel()].contiguous(),
+            rows[:, codes.numel():].contiguous().view(torch.float32))
 
 
 def make_all_gather(state: ZeroPPState) -> QuantizedAllGather:

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The ZeRO++ paper's low-bandwidth result on one machine: 2 emulated nodes x 2 ranks over shaped links.
 
-    sudo .venv/bin/python scripts/bench_cluster.py --out out/bench_cluster          # ~10 min
-    sudo .venv/bin/python scripts/bench_cluster.py --out out/bench_cluster --quick  # ~4 min
+    sudo .venv/bin/python scripts/bench_cluster.py --out out/bench_cluster          # ~7 min
+    sudo .venv/bin/python scripts/bench_cluster.py --out out/bench_cluster --quick  # ~3 min
 
 For each link rate (100mbit, 1gbit, unshaped) one emulated cluster is built with scripts/emulate_cluster.py
 (2 network namespaces, 2 gloo ranks each, veth links shaped with tc tbf) and, in that one launch, every
-configuration is trained side by side on the same data:
+configuration is trained side by side (random token batches of the same shape):
 
 * ``FSDP2``        stock ``torch.distributed.fsdp.fully_shard`` per GPT-2 block + root (FULL_SHARD), no hf_zeropp
 * ``ZeRO-3``       ``hf_zeropp.ZeroPPConfig(stage=3)``
@@ -597,8 +597,9 @@ def markdown(summary: dict, args) -> str:
                 f"{c:.3f}" for c in cells) + f" | {cells[0] - cells[1] + cells[2] - cells[3]:.3f} |")
     if breakdown_rows:
         lines += ["", "Where the time goes (instrumented extra steps, mean over ranks, seconds per step): gather / "
-                  "reduce = wall time inside hf_zeropp's all-gather hook (qwZ when on; returns at once when the "
-                  "plain gather runs asynchronously) and gradient reduce-scatter hook (qgZ when on), kernels = "
+                  "reduce = wall time inside hf_zeropp's all-gather hook (qwZ when on, else the plain gather) and "
+                  "gradient reduce-scatter hook (qgZ when on, else the plain reduce-scatter); FSDP2 calls both "
+                  "synchronously on CPU, so this is the whole collective. kernels = "
                   "quantization kernels inside them, wait = the rest of those calls (gloo transfers, and peers "
                   "that are still computing: 4 ranks share 2 cores)", "",
                   "| link | config | step | gather | gather kernels | reduce | reduce kernels | wait in both |",

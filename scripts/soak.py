@@ -18,6 +18,7 @@ import gc
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,15 +31,18 @@ MIB = 1024 * 1024
 
 
 def _live_tensors() -> int:
-    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+    with warnings.catch_warnings():  # isinstance on some torch objects warns about deprecated attributes
+        warnings.simplefilter("ignore")
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
-def _batch(step: int, per_rank: int, seq: int, vocab: int) -> torch.Tensor:
+def _batch(sequences: torch.Tensor, step: int, per_rank: int) -> torch.Tensor:
+    """This rank's slice of a seeded random pick of byte-level sequences of the standard library's source."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    ids = torch.randint(0, vocab, (world * per_rank, seq), generator=torch.Generator().manual_seed(step))
-    return ids.view(world, per_rank, seq)[rank]
+    picks = torch.randint(0, len(sequences), (world * per_rank,), generator=torch.Generator().manual_seed(step))
+    return sequences[picks].view(world, per_rank, -1)[rank]
 
 
 def _soak(options: dict) -> dict:
@@ -47,9 +51,11 @@ def _soak(options: dict) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import hf_zeropp
+    from hf_zeropp.data import byte_sequences
 
     torch.manual_seed(0)
     vocab, seq = 256, options["seq"]
+    sequences = byte_sequences(1_000_000, seq)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=options["n_embd"],
                                        n_layer=options["n_layer"], n_head=2, bos_token_id=0, eos_token_id=0))
     hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig.preset(options["preset"]))
@@ -58,13 +64,13 @@ def _soak(options: dict) -> dict:
     samples, losses = [], []
     start = time.perf_counter()
     for step in range(1, options["steps"] + 1):
-        ids = _batch(step, options["batch"], seq, vocab)
+        ids = _batch(sequences, step, options["batch"])
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % options["interval"] == 0 or step == 1:
             hf_zeropp.comm_stats(model, reset=True)  # the meter's counters, read as a trainer's callback would
             gc.collect()
@@ -75,7 +81,7 @@ def _soak(options: dict) -> dict:
             if dist.get_rank() == 0:
                 rss = "  ".join(f"{s['rss'] / MIB:7.1f}" for s in everyone)
                 tensors = " ".join(str(s["tensors"]) for s in everyone)
-                print(f"step {step:5d}  {sample['seconds']:7.1f} s  loss {loss.item():.3f}  RSS MiB per rank: {rss}"
+                print(f"step {step:5d}  {sample['seconds']:7.1f} s  loss {losses[-1]:.3f}  RSS MiB per rank: {rss}"
                       f"  live tensors: {tensors}", flush=True)
             samples.append(sample)
     return {"samples": samples, "first_loss": losses[0], "last_loss": sum(losses[-20:]) / min(20, len(losses)),

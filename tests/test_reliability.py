@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import signal
 import warnings
 from pathlib import Path
@@ -429,8 +430,6 @@ def test_accelerator_installs_a_loss_scaler_for_fp16_on_cpu(fp16_run):
 # ============================================================================================ 5. atomic save
 
 def _die():
-    import os
-
     os.kill(os.getpid(), signal.SIGKILL)
 
 
