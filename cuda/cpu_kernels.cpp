@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "counter_hash.h"
+
 namespace {
 
 // Elements per parallel task: enough to pay for handing work to another thread, so small tensors stay on the
@@ -130,22 +132,11 @@ inline void store_as(float v, c10::Half* out) {
   *out = c10::Half(static_cast<uint16_t>((sign >> 16) | nonsign), c10::Half::from_bits());
 }
 
-// reference.uniform_from_counter in uint32 arithmetic (the reference masks its int64 products to 32 bits).
-inline uint32_t mix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x6A09E667u;
-  h ^= h >> 16;
-  return h;
-}
+using hf_zeropp_hash::mix32;
 
 inline float uniform_from_counter(uint32_t key, int64_t index) {
-  const uint64_t i = static_cast<uint64_t>(index);
-  uint32_t h = mix32(static_cast<uint32_t>(i) ^ key);
-  h = mix32(h ^ static_cast<uint32_t>(i >> 32));
-  // h >> 8 < 2^24: the conversion and the power-of-two multiply are both exact.
-  return static_cast<float>(static_cast<int32_t>(h >> 8)) * kTwoPowMinus24;
+  // fewer than 24 bits: the conversion and the power-of-two multiply are both exact
+  return static_cast<float>(static_cast<int32_t>(hf_zeropp_hash::counter_bits(key, index))) * kTwoPowMinus24;
 }
 
 inline int32_t low_nibble(uint8_t b) {

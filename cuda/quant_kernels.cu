@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "counter_hash.h"
 #include "quant_kernels.h"
 
 namespace hf_zeropp {
@@ -43,20 +44,12 @@ constexpr int64_t kDequantTile = 32 * 2 * kChunk;  // largest tile of dequantiza
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t packed_length(int64_t length, int bits) { return bits == 8 ? length : (length + 1) / 2; }
 
-__host__ __device__ __forceinline__ uint32_t mix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x6A09E667u;
-  h ^= h >> 16;
-  return h;
-}
+using hf_zeropp_hash::mix32;
 
 // U[0, 1) for an element index, as reference.uniform_from_counter; key = mix32(lo32(seed)).
 __device__ __forceinline__ float uniform(uint32_t key, int64_t index) {
-  uint32_t h = mix32(static_cast<uint32_t>(index) ^ key);
-  h = mix32(h ^ static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
-  return __fmul_rn(__uint2float_rn(h >> 8), 5.9604644775390625e-08f);  // exact: (h >> 8) < 2**24, times 2**-24
+  const uint32_t h = hf_zeropp_hash::counter_bits(key, index);
+  return __fmul_rn(__uint2float_rn(h), 5.9604644775390625e-08f);  // exact: h < 2**24, times 2**-24
 }
 
 // 64-bit division is a long software sequence; tile and row numbers nearly always fit 32 bits.
