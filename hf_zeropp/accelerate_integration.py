@@ -54,6 +54,8 @@ def as_zeropp_config(zeropp: ZeroPPConfig | str | os.PathLike | dict | None) -> 
         raise TypeError(f"zeropp must be a ZeroPPConfig, preset name, path, dict or None; got {type(zeropp).__name__}")
     node_size = os.environ.get("ZEROPP_NODE_SIZE")
     if node_size:
+        if not node_size.strip().isdigit():
+            raise ValueError(f"ZEROPP_NODE_SIZE={node_size!r} is not a positive integer (ranks per node)")
         config = dataclasses.replace(config, node_size=int(node_size))
     return config
 
@@ -100,10 +102,12 @@ class Accelerator(accelerate.Accelerator):
                 )
         self.zeropp_config = config
         self._zeropp_optimizers: dict[int, Any] = {}  # id(model) -> its (wrapped) optimizer
-        if config.mixed_precision == "fp16" and self.scaler is not None:
+        if config.mixed_precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self.scaler = ShardedGradScaler()  # found-inf must agree across ranks: each holds only its shards
+            # found-inf must agree across ranks (each holds only its shards); accelerate makes no scaler on CPU
+            self.scaler = ShardedGradScaler(device=self.device.type)
+            self.native_amp = True  # Accelerate only unscales (before clipping) when native_amp is set
 
     @property
     def shards_models(self) -> bool:

@@ -216,10 +216,12 @@ class ZeroPPConfig:
                     f"zero_optimization.{key} has no hf_zeropp equivalent; remove it (mapped keys: "
                     f"{sorted(_DEEPSPEED_MAPPED)})"
                 )
-        for precision in ("bf16", "fp16"):
-            section = ds_config.get(precision)
-            if isinstance(section, dict) and section.get("enabled") in (True, "auto"):
-                values["mixed_precision"] = precision
+        enabled = [p for p in ("bf16", "fp16")
+                   if isinstance(ds_config.get(p), dict) and ds_config[p].get("enabled") in (True, "auto")]
+        if len(enabled) > 1:
+            raise ValueError("the DeepSpeed config enables both bf16 and fp16; enable one of them")
+        if enabled:
+            values["mixed_precision"] = enabled[0]
         for key in ds_config:
             if key not in ("zero_optimization", "bf16", "fp16") and key not in _DEEPSPEED_TRAINER_KEYS:
                 raise ValueError(f"DeepSpeed config key {key!r} cannot be mapped to hf_zeropp; remove it")
@@ -341,6 +343,8 @@ def _matches(value: Any, hint: Any) -> bool:
 
 def _describe(hint: Any) -> str:
     args = typing.get_args(hint)
+    if typing.get_origin(hint) is list:
+        return f"a list of {_describe(args[0])}"
     if args:
         return " or ".join(_describe(a) for a in args)
     return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))

@@ -79,12 +79,28 @@ def _peer_split(node_size: int, rank: int, ranks: tuple[int, ...]) -> tuple[int,
     return same, len(ranks) - 1 - same
 
 
+def _world_timeout(device_type: str):
+    """The default group's timeout, so that a hung peer fails collectives on every hf_zeropp group as soon as it
+    fails them on the world group (a DeviceMesh's own groups would get torch's 30-minute default)."""
+    backend = dist.group.WORLD._get_backend(torch.device(device_type))
+    return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
 @functools.lru_cache(maxsize=None)
 def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    world = 1
-    for size in shape:
-        world *= size
-    return DeviceMesh(device_type, torch.arange(world).view(shape), mesh_dim_names=names)
+    """A device mesh whose 2-D groups carry the world's timeout; rank r sits at position r (row-major)."""
+    grid = torch.arange(dist.get_world_size()).view(shape)
+    if len(shape) == 1:
+        return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh=grid, mesh_dim_names=names)
+    timeout = _world_timeout(device_type)
+    rank = dist.get_rank()
+    mine = []
+    for lines in (grid.t(), grid):  # dim 0 groups are the columns, dim 1 groups the rows
+        for line in lines:  # every rank creates every group, in the same order
+            group = dist.new_group(line.tolist(), timeout=timeout)
+            if rank in line.tolist():
+                mine.append(group)
+    return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=names)
 
 
 _topologies: dict[tuple, Topology] = {}

@@ -18,11 +18,11 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .accelerate_integration import Accelerator, as_zeropp_config, is_sharded
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_checkpoint, save_checkpoint
 from .config import ZeroPPConfig
 from .sharding import active_techniques, comm_stats, set_techniques, zeropp_state
 
-OPTIMIZER_DIR = "zeropp_optimizer"
+OPTIMIZER_DIR = TRAINER_OPTIMIZER_DIR
 _SCHEDULED = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
               "quantized_gradients_until": "quantized_gradients"}
 
@@ -141,10 +141,16 @@ class ZeroPPTrainerMixin:
     def _zeropp_sharded(self) -> bool:
         return is_sharded(self.model)
 
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         if self.zeropp_callback not in self.callback_handler.callbacks:
             self.callback_handler.add_callback(self.zeropp_callback)
-        return super().train(*args, **kwargs)
+        if resume_from_checkpoint is True:  # the newest *complete* checkpoint; a crash may have left a partial one
+            latest = latest_trainer_checkpoint(self.args.output_dir)
+            if latest is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
+                                 "checkpoint; pass a checkpoint path or start without resuming")
+            resume_from_checkpoint = str(latest)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if "loss" in logs:  # training logs only, not evaluation results
