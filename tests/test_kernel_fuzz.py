@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(K.active_backend("cpu") != "cpp", reason="the cpp kernels did not build on this machine"),
 ]
 
-FUZZ = settings(deadline=None, derandomize=True, max_examples=300, database=None,
+FUZZ = settings(deadline=None, derandomize=True, max_examples=1000, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
