@@ -238,21 +238,73 @@ void decode_span(const int8_t* codes, int64_t n, float scale, Put put) {
   }
 }
 
+// Orthonormal Walsh-Hadamard transform of every whole run of `size` elements of v[0, n) (reference.hadamard_rows):
+// butterfly stages h = 1, 2, ..., size / 2, then one multiply by `norm` = fp32(1 / sqrt(size)). A trailing run
+// shorter than `size` is left as it is. The same additions in the same order as the reference, arranged for speed:
+// stages 1 and 2 together on four elements in registers, the later ones as contiguous loops the compiler vectorizes,
+// and the multiply folded into the last stage (still one rounding per operation).
+void hadamard_groups(float* v, int64_t n, int64_t size, float norm) {
+  const int64_t full = n / size * size;
+  for (int64_t g = 0; g < full; g += size) {
+    float* x = v + g;
+    if (size == 2) {
+      const float a = x[0], b = x[1];
+      x[0] = (a + b) * norm;
+      x[1] = (a - b) * norm;
+      continue;
+    }
+    for (int64_t i = 0; i < size; i += 4) {
+      const float s0 = x[i] + x[i + 1], s1 = x[i] - x[i + 1];
+      const float s2 = x[i + 2] + x[i + 3], s3 = x[i + 2] - x[i + 3];
+      x[i] = s0 + s2;
+      x[i + 1] = s1 + s3;
+      x[i + 2] = s0 - s2;
+      x[i + 3] = s1 - s3;
+    }
+    for (int64_t h = 4; h < size; h *= 2) {
+      const float scale = 2 * h == size ? norm : 1.0f;  // x * 1.0f is exact
+      for (int64_t i = 0; i < size; i += 2 * h) {
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = x[j], b = x[j + h];
+          x[j] = (a + b) * scale;
+          x[j + h] = (a - b) * scale;
+        }
+      }
+    }
+    if (size == 4) {
+      for (int64_t j = 0; j < 4; ++j) x[j] = x[j] * norm;
+    }
+  }
+}
+
+float hadamard_norm(int64_t size) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(size)));
+}
+
 // Quantizes `rows` rows of `length` elements of x. Output row r reads row source_row(r) of x, whose elements
 // also give the stochastic counter (source_row(r) * length + column): the identity for quantize, the ZeRO++
 // reorder for swizzle_quantize, fused so that no reordered copy is ever made.
+// A non-zero `hadamard` quantizes each block's rotation (hadamard_groups) instead, staged in fp32.
 template <int kBits, bool kStochastic, typename T, typename SourceRow>
 void quantize_rows(const T* x, int64_t rows, int64_t length, int64_t block_size, uint32_t key, SourceRow source_row,
-                   int8_t* codes, float* scales) {
+                   int64_t hadamard, int8_t* codes, float* scales) {
   const int64_t nb = ceil_div(length, block_size);
   const int64_t lc = packed_length(length, kBits);
   at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(hadamard ? static_cast<size_t>(std::min(block_size, length)) : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / nb;
       const int64_t col = (item % nb) * block_size;
       const int64_t src = source_row(r) * length + col;
-      scales[item] = quantize_block<kBits, kStochastic>(x + src, std::min(block_size, length - col), key, src,
-                                                        codes + r * lc + packed_length(col, kBits));
+      const int64_t n = std::min(block_size, length - col);
+      int8_t* out = codes + r * lc + packed_length(col, kBits);
+      if (hadamard) {
+        for (int64_t j = 0; j < n; ++j) rotated[j] = to_float(x[src + j]);
+        hadamard_groups(rotated.data(), n, hadamard, hadamard_norm(hadamard));
+        scales[item] = quantize_block<kBits, kStochastic>(rotated.data(), n, key, src, out);
+      } else {
+        scales[item] = quantize_block<kBits, kStochastic>(x + src, n, key, src, out);
+      }
     }
   });
 }
@@ -313,9 +365,11 @@ void dequant_reduce_quant_rows(const int8_t* codes, const float* scales, int64_t
   });
 }
 
+// Pieces of kChunk elements start at multiples of kChunk within a block, so they hold whole rotation groups
+// (hadamard divides both kChunk and the block size); only a row's end can cut a group short.
 template <int kBits, typename Out>
 void dequant_reduce_rows(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length,
-                         int64_t block_size, float scale, Out* out) {
+                         int64_t block_size, float scale, int64_t hadamard, Out* out) {
   const int64_t nb = ceil_div(length, block_size);
   const int64_t lc = packed_length(length, kBits);
   at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
@@ -329,6 +383,7 @@ void dequant_reduce_rows(const int8_t* codes, const float* scales, int64_t k, in
         const int64_t m = std::min(kChunk, n - off);
         decode_sum<kBits>(codes, scales, k, rows * lc, rows * nb, r * lc + packed_length(col + off, kBits), item, m,
                           acc);
+        if (hadamard) hadamard_groups(acc, m, hadamard, hadamard_norm(hadamard));
         // Unlike in dequantize_rows, NaN can come from any input's block, so it is always handled.
         for (int64_t j = 0; j < m; ++j) {
           store_as<true>(acc[j] * scale, o + off + j);
@@ -401,6 +456,13 @@ void check_format(int64_t bits, int64_t block_size, const char* bits_name = "bit
               "two blocks), got ", block_size);
 }
 
+void check_hadamard(int64_t hadamard, int64_t block_size) {
+  TORCH_CHECK(hadamard >= 0 && hadamard <= 128 && (hadamard & (hadamard - 1)) == 0 && hadamard != 1,
+              "hadamard must be 0 or a power of two from 2 to 128, got ", hadamard);
+  TORCH_CHECK(hadamard == 0 || block_size % hadamard == 0, "block_size ", block_size,
+              " is not a multiple of hadamard ", hadamard);
+}
+
 // Checks a (k, rows, ·) stack of quantized inputs with rows of `length` elements.
 void check_stacked_codes(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
                          int64_t length) {
@@ -420,8 +482,9 @@ uint32_t stochastic_key(int64_t seed) {
 // ---- exported functions ----
 
 void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
-               const at::Tensor& codes, const at::Tensor& scales) {
+               int64_t hadamard, const at::Tensor& codes, const at::Tensor& scales) {
   check_format(bits, block_size);
+  check_hadamard(hadamard, block_size);
   check_tensor(x, "x", 2);
   check_tensor(codes, "codes", 2);
   check_tensor(scales, "scales", 2);
@@ -441,15 +504,16 @@ void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stoch
       dispatch_bool(stochastic, [&](auto s) {
         quantize_rows<decltype(b)::value, decltype(s)::value>(
             x.const_data_ptr<T>(), rows, length, block_size, stochastic_key(seed), [](int64_t r) { return r; },
-            codes.mutable_data_ptr<int8_t>(), scales.mutable_data_ptr<float>());
+            hadamard, codes.mutable_data_ptr<int8_t>(), scales.mutable_data_ptr<float>());
       });
     });
   });
 }
 
 void dequantize_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
-                 const at::Tensor& out) {
+                 int64_t hadamard, const at::Tensor& out) {
   check_format(bits, block_size);
+  check_hadamard(hadamard, block_size);
   check_tensor(codes, "codes", 2);
   check_tensor(scales, "scales", 2);
   check_tensor(out, "out", 2);
@@ -466,16 +530,22 @@ void dequantize_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits
   dispatch_float_type(out, "out", [&](auto tag) {
     using Out = decltype(tag);
     dispatch_bits(bits, [&](auto b) {
-      dequantize_rows<decltype(b)::value>(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), rows,
-                                          length, block_size, out.mutable_data_ptr<Out>());
+      if (hadamard) {  // the rotation needs the block staged in fp32: the reduction's path with k = 1, scale 1
+        dequant_reduce_rows<decltype(b)::value>(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), 1,
+                                                rows, length, block_size, 1.0f, hadamard, out.mutable_data_ptr<Out>());
+      } else {
+        dequantize_rows<decltype(b)::value>(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), rows,
+                                            length, block_size, out.mutable_data_ptr<Out>());
+      }
     });
   });
 }
 
 void swizzle_quantize_(const at::Tensor& x, int64_t nodes, int64_t node_size, int64_t stages, int64_t bits,
-                       int64_t block_size, bool stochastic, int64_t seed, const at::Tensor& codes,
+                       int64_t block_size, bool stochastic, int64_t seed, int64_t hadamard, const at::Tensor& codes,
                        const at::Tensor& scales) {
   check_format(bits, block_size);
+  check_hadamard(hadamard, block_size);
   TORCH_CHECK(nodes >= 1 && node_size >= 1 && stages >= 1, "nodes, node_size and stages must be positive, got ",
               nodes, ", ", node_size, ", ", stages);
   check_tensor(x, "x", 1);
@@ -506,7 +576,7 @@ void swizzle_quantize_(const at::Tensor& x, int64_t nodes, int64_t node_size, in
     dispatch_bits(bits, [&](auto b) {
       dispatch_bool(stochastic, [&](auto s) {
         quantize_rows<decltype(b)::value, decltype(s)::value>(
-            x.const_data_ptr<T>(), slices, length, block_size, stochastic_key(seed), source_row,
+            x.const_data_ptr<T>(), slices, length, block_size, stochastic_key(seed), source_row, hadamard,
             codes.mutable_data_ptr<int8_t>(), scales.mutable_data_ptr<float>());
       });
     });
@@ -543,8 +613,9 @@ void dequant_reduce_quant_(const at::Tensor& codes, const at::Tensor& scales, in
 }
 
 void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
-                     double scale, const at::Tensor& out) {
+                     double scale, int64_t hadamard, const at::Tensor& out) {
   check_format(bits, block_size);
+  check_hadamard(hadamard, block_size);
   check_tensor(out, "out", 2);
   check_float_dtype(out, "out");
   const int64_t rows = out.size(0);
@@ -560,7 +631,7 @@ void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t 
       // The reference multiplies by torch.tensor(scale, dtype=float32): the factor is rounded to fp32 first.
       dequant_reduce_rows<decltype(b)::value>(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
                                               codes.size(0), rows, length, block_size, static_cast<float>(scale),
-                                              out.mutable_data_ptr<Out>());
+                                              hadamard, out.mutable_data_ptr<Out>());
     });
   });
 }
@@ -573,17 +644,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("quantize_", &quantize_, "x (rows, L) -> codes (rows, Lc) int8, scales (rows, nb) fp32, in place",
         py::arg("x"), py::arg("bits"), py::arg("block_size"), py::arg("stochastic"), py::arg("seed"),
-        py::arg("codes"), py::arg("scales"), no_gil);
+        py::arg("hadamard"), py::arg("codes"), py::arg("scales"), no_gil);
   m.def("dequantize_", &dequantize_, "codes, scales -> out (rows, L) as code * scale, in place", py::arg("codes"),
-        py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("out"), no_gil);
+        py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("hadamard"), py::arg("out"), no_gil);
   m.def("swizzle_quantize_", &swizzle_quantize_, "ZeRO++ reorder of flat x fused with quantize, in place",
         py::arg("x"), py::arg("nodes"), py::arg("node_size"), py::arg("stages"), py::arg("bits"),
-        py::arg("block_size"), py::arg("stochastic"), py::arg("seed"), py::arg("codes"), py::arg("scales"), no_gil);
+        py::arg("block_size"), py::arg("stochastic"), py::arg("seed"), py::arg("hadamard"), py::arg("codes"),
+        py::arg("scales"), no_gil);
   m.def("dequant_reduce_quant_", &dequant_reduce_quant_,
         "k quantized inputs -> fp32 sum in input order -> requantized with out_bits, in place", py::arg("codes"),
         py::arg("scales"), py::arg("in_bits"), py::arg("block_size"), py::arg("length"), py::arg("out_bits"),
         py::arg("stochastic"), py::arg("seed"), py::arg("out_codes"), py::arg("out_scales"), no_gil);
   m.def("dequant_reduce_", &dequant_reduce_, "k quantized inputs -> fp32 sum in input order * scale -> out, in place",
         py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("scale"),
-        py::arg("out"), no_gil);
+        py::arg("hadamard"), py::arg("out"), no_gil);
 }

@@ -23,6 +23,13 @@ void check_bits(int64_t bits, const char* name) {
   TORCH_CHECK(bits == 8 || bits == 4, name, "=", bits, " is not supported; use 8 or 4");
 }
 
+void check_hadamard(int64_t hadamard, int64_t block_size) {
+  TORCH_CHECK(hadamard >= 0 && hadamard <= 128 && hadamard != 1 && (hadamard & (hadamard - 1)) == 0, "hadamard=",
+              hadamard, " must be 0 or a power of two from 2 to 128");
+  TORCH_CHECK(hadamard == 0 || block_size % hadamard == 0, "block_size=", block_size,
+              " is not a multiple of hadamard=", hadamard);
+}
+
 void check_block_size(int64_t block_size, int64_t bits) {
   TORCH_CHECK(block_size >= 1, "block_size=", block_size, " must be a positive integer");
   TORCH_CHECK(bits == 8 || block_size % 2 == 0, "block_size=", block_size,
@@ -73,9 +80,10 @@ void check_stacked(const at::Tensor& codes, const at::Tensor& scales, int64_t bi
 }
 
 void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
-               const at::Tensor& codes, const at::Tensor& scales) {
+               int64_t hadamard, const at::Tensor& codes, const at::Tensor& scales) {
   check_bits(bits, "bits");
   check_block_size(block_size, bits);
+  check_hadamard(hadamard, block_size);
   check_layout(x, "x", x.device(), 2);
   const DType dtype = float_dtype(x, "x");
   const int64_t rows = x.size(0), length = x.size(1);
@@ -88,15 +96,16 @@ void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stoch
 
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(hf_zeropp::launch_quantize(x.const_data_ptr(), dtype, rows, length, static_cast<int>(bits), block_size,
-                                          stochastic, seed, codes.mutable_data_ptr<int8_t>(),
+                                          stochastic, seed, hadamard, codes.mutable_data_ptr<int8_t>(),
                                           scales.mutable_data_ptr<float>(), current_stream(x.device())),
                "quantize_");
 }
 
 void dequantize_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
-                 const at::Tensor& out) {
+                 int64_t hadamard, const at::Tensor& out) {
   check_bits(bits, "bits");
   check_block_size(block_size, bits);
+  check_hadamard(hadamard, block_size);
   check_layout(out, "out", out.device(), 2);
   const DType dtype = float_dtype(out, "out");
   const int64_t rows = out.size(0), length = out.size(1);
@@ -109,16 +118,18 @@ void dequantize_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits
 
   const c10::cuda::CUDAGuard guard(out.device());
   check_launch(hf_zeropp::launch_dequantize(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), rows,
-                                            length, static_cast<int>(bits), block_size, out.mutable_data_ptr(), dtype,
+                                            length, static_cast<int>(bits), block_size, hadamard,
+                                            out.mutable_data_ptr(), dtype,
                                             current_stream(out.device())),
                "dequantize_");
 }
 
 void swizzle_quantize_(const at::Tensor& x, int64_t nodes, int64_t node_size, int64_t stages, int64_t bits,
-                       int64_t block_size, bool stochastic, int64_t seed, const at::Tensor& codes,
-                       const at::Tensor& scales) {
+                       int64_t block_size, bool stochastic, int64_t seed, int64_t hadamard,
+                       const at::Tensor& codes, const at::Tensor& scales) {
   check_bits(bits, "bits");
   check_block_size(block_size, bits);
+  check_hadamard(hadamard, block_size);
   TORCH_CHECK(nodes >= 1 && node_size >= 1 && stages >= 1, "nodes, node_size and stages must be positive, got ",
               nodes, ", ", node_size, ", ", stages);
   check_layout(x, "x", x.device(), 1);
@@ -138,7 +149,7 @@ void swizzle_quantize_(const at::Tensor& x, int64_t nodes, int64_t node_size, in
 
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(hf_zeropp::launch_swizzle_quantize(x.const_data_ptr(), dtype, nodes, node_size, stages, length,
-                                                  static_cast<int>(bits), block_size, stochastic, seed,
+                                                  static_cast<int>(bits), block_size, stochastic, seed, hadamard,
                                                   codes.mutable_data_ptr<int8_t>(), scales.mutable_data_ptr<float>(),
                                                   current_stream(x.device())),
                "swizzle_quantize_");
@@ -171,9 +182,10 @@ void dequant_reduce_quant_(const at::Tensor& codes, const at::Tensor& scales, in
 }
 
 void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
-                     double scale, const at::Tensor& out) {
+                     double scale, int64_t hadamard, const at::Tensor& out) {
   check_bits(bits, "bits");
   check_block_size(block_size, bits);
+  check_hadamard(hadamard, block_size);
   check_layout(out, "out", out.device(), 2);
   const DType dtype = float_dtype(out, "out");
   const int64_t length = out.size(1);
@@ -186,7 +198,7 @@ void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t 
   // The reference multiplies by torch.tensor(scale, dtype=float32): the factor is rounded to fp32 first.
   check_launch(hf_zeropp::launch_dequant_reduce(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), k,
                                                 rows, length, static_cast<int>(bits), block_size,
-                                                static_cast<float>(scale), out.mutable_data_ptr(), dtype,
+                                                static_cast<float>(scale), hadamard, out.mutable_data_ptr(), dtype,
                                                 current_stream(out.device())),
                "dequant_reduce_");
 }
@@ -198,13 +210,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_", &quantize_,
         "x (rows, L) float32/float16/bfloat16 -> codes (rows, L or ceil(L/2)) int8, scales (rows, nb) float32",
         py::arg("x"), py::arg("bits"), py::arg("block_size"), py::arg("stochastic"), py::arg("seed"),
-        py::arg("codes"), py::arg("scales"));
+        py::arg("hadamard"), py::arg("codes"), py::arg("scales"));
   m.def("dequantize_", &dequantize_, "codes (rows, Lc) int8, scales (rows, nb) float32 -> out (rows, L)",
-        py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("out"));
+        py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("hadamard"),
+        py::arg("out"));
   m.def("swizzle_quantize_", &swizzle_quantize_,
         "flat x -> codes/scales of its nodes*node_size*stages slices, reordered for the hierarchical all-to-all",
         py::arg("x"), py::arg("nodes"), py::arg("node_size"), py::arg("stages"), py::arg("bits"),
-        py::arg("block_size"), py::arg("stochastic"), py::arg("seed"), py::arg("codes"), py::arg("scales"));
+        py::arg("block_size"), py::arg("stochastic"), py::arg("seed"), py::arg("hadamard"), py::arg("codes"),
+        py::arg("scales"));
   m.def("dequant_reduce_quant_", &dequant_reduce_quant_,
         "codes (k, rows, Lc), scales (k, rows, nb) -> fp32 sum over k, requantized into out_codes, out_scales",
         py::arg("codes"), py::arg("scales"), py::arg("in_bits"), py::arg("block_size"), py::arg("length"),
@@ -212,5 +226,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_reduce_", &dequant_reduce_,
         "codes (k, rows, Lc), scales (k, rows, nb) -> (fp32 sum over k) * scale, cast into out (rows, L)",
         py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("scale"),
-        py::arg("out"));
+        py::arg("hadamard"), py::arg("out"));
 }

@@ -16,6 +16,13 @@
 // (int4 codes) accesses; any other chunk (odd row lengths, block sizes that are not a multiple of 8, row tails) moves
 // element by element. The check is per chunk, so nothing is assumed about the caller's alignment.
 //
+// Hadamard rotation. A rotation group of H <= 128 elements is H / 8 consecutive chunks of one tile (tiles start at
+// multiples of H: block sizes are multiples of H, and tile sizes are powers of two >= H unless the row is shorter
+// than H). Chunk number c * G + lane splits into lane bits (low) and register bits (high): the butterfly stages
+// h = 1, 2, 4 pair elements of one chunk, h = 8 * 2^b pairs chunk bit b, which is a lane (a shuffle within the
+// warp, H / 8 <= 16 lanes) or a register index (a swap inside the thread). Elements of a group cut short by the
+// row's end take no part, as in the reference.
+//
 // Exactness. Conversions are the round-to-nearest intrinsics, every product, sum and quotient a single rounding
 // (__fmul_rn, __fadd_rn, __fdiv_rn; the file is also built with --fmad=false). A block's absmax is the unsigned maximum
 // of its values' bit patterns with the sign bit cleared: that orders non-negative floats as fmaxf would, but every NaN
@@ -239,6 +246,17 @@ struct Quantizer {
   }
 };
 
+// The orthonormal Walsh-Hadamard transform applied to every whole run of `size` elements (reference.hadamard_rows);
+// size == 0 is no rotation.
+struct Rotation {
+  int size;
+  float norm;  // fp32(1 / sqrt(size))
+};
+
+Rotation make_rotation(int64_t size) {
+  return Rotation{static_cast<int>(size), size ? static_cast<float>(1.0 / sqrt(static_cast<double>(size))) : 1.0f};
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Tiles and groups
 
@@ -315,6 +333,76 @@ __device__ __forceinline__ uint32_t group_max(uint32_t v) {
     for (int w = 1; w < G / 32; ++w) v = max(v, warp_max[w]);
   }
   return v;
+}
+
+// Rotates the tile's values in place (n valid elements; see "Hadamard rotation" above). Every lane of the group runs
+// every shuffle; an element outside a whole group keeps its value.
+template <int G, int C>
+__device__ __forceinline__ void rotate_tile(float v[C][kChunk], int n, int lane, const Rotation& rot) {
+  if (rot.size == 0) return;
+  const int span = rot.size - 1;
+  // whole[c][j]: the element's rotation group ends inside the tile
+  bool whole[C][kChunk];
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) whole[c][j] = (((c * G + lane) * kChunk + j) | span) < n;
+  }
+#pragma unroll
+  for (int h = 1; h < kChunk; h *= 2) {
+    if (h >= rot.size) break;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        if ((j & h) == 0 && whole[c][j]) {
+          const float a = v[c][j], b = v[c][j + h];
+          v[c][j] = __fadd_rn(a, b);
+          v[c][j + h] = __fsub_rn(a, b);
+        }
+      }
+    }
+  }
+  constexpr int kWidth = G < 32 ? G : 32;
+  const unsigned warp_lane = threadIdx.x & 31u;
+  const unsigned mask = kWidth == 32 ? 0xFFFFFFFFu : ((1u << kWidth) - 1u) << (warp_lane & ~(kWidth - 1u));
+  for (int bit = 1; bit * kChunk < rot.size; bit *= 2) {  // chunk-number bit: h = 8 * bit
+    if (bit < G) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+          const float other = __shfl_xor_sync(mask, v[c][j], bit, kWidth);
+          if (whole[c][j]) v[c][j] = (lane & bit) ? __fsub_rn(other, v[c][j]) : __fadd_rn(v[c][j], other);
+        }
+      }
+    } else {
+      const int step = bit / G;  // the partner chunk is register c ^ step
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int d = 0; d < C; ++d) {
+          if (d == (c ^ step) && c < d) {
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+              if (whole[c][j]) {
+                const float a = v[c][j], b = v[d][j];
+                v[c][j] = __fadd_rn(a, b);
+                v[d][j] = __fsub_rn(a, b);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      if (whole[c][j]) v[c][j] = __fmul_rn(v[c][j], rot.norm);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -413,6 +501,7 @@ struct QuantTarget {
   int64_t packed;
   int bits;
   Quantizer quantizer;
+  Rotation rotation;  // applied to the source values before the absmax
 };
 
 // kFused: a tile is a whole block; absmax, scale and codes in one pass.
@@ -433,6 +522,7 @@ __global__ void __launch_bounds__(Group<G>::kCta)
     const int64_t src_row = src.source_row(tile.row);
     float v[C][kChunk];
     src.template load<G, C>(src_row, tile.block, tile.col, tile.n, lane, v);
+    rotate_tile<G, C>(v, tile.n, lane, out.rotation);
     float* slot = out.scales + tile.row * grid.blocks_per_row + tile.block;
 
     float absmax;
@@ -478,10 +568,11 @@ __global__ void absmax_to_scale_kernel(float* scales, int64_t count, float qmax)
   }
 }
 
-// out = (sum of the source's inputs) * post_scale, cast with round-to-nearest-even.
+// out = rotate(sum of the source's inputs) * post_scale, cast with round-to-nearest-even.
 template <typename OutT, int G, int C>
 __global__ void __launch_bounds__(Group<G>::kCta)
-    dequant_kernel(const ReduceSource src, OutT* __restrict__ out, const float post_scale, const TileGrid grid) {
+    dequant_kernel(const ReduceSource src, OutT* __restrict__ out, const float post_scale, const Rotation rotation,
+                   const TileGrid grid) {
   constexpr int kTile = G * C * kChunk;
   const int lane = static_cast<int>(threadIdx.x) % G;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * Group<G>::kPerCta;
@@ -491,6 +582,7 @@ __global__ void __launch_bounds__(Group<G>::kCta)
     if (tile.n == 0) continue;
     float v[C][kChunk];
     src.load<G, C>(tile.row, tile.block, tile.col, tile.n, lane, v);
+    rotate_tile<G, C>(v, tile.n, lane, rotation);
     OutT* p = out + tile.row * grid.length + tile.col;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -576,12 +668,13 @@ cudaError_t with_dtype(DType dtype, Fn&& fn) {
 
 template <class Source>
 cudaError_t run_quantize(const Source& src, int64_t rows, int64_t length, int bits, int64_t block_size,
-                         bool stochastic, int64_t seed, int8_t* codes, float* scales, cudaStream_t stream) {
+                         bool stochastic, int64_t seed, int64_t hadamard, int8_t* codes, float* scales,
+                         cudaStream_t stream) {
   if (rows <= 0 || length <= 0) return cudaSuccess;
   const float qmax = bits == 8 ? 127.0f : 7.0f;
   const int64_t block = block_size < length ? block_size : length;  // same blocks, no empty tiles
   const QuantTarget out{codes, scales, packed_length(length, bits), bits,
-                        Quantizer{qmax, stochastic, mix32(static_cast<uint32_t>(seed))}};
+                        Quantizer{qmax, stochastic, mix32(static_cast<uint32_t>(seed))}, make_rotation(hadamard)};
   if (block <= kMaxFusedBlock) {
     return with_block_shape<kMaxFusedBlock>(block, [&](auto shape) {
       using S = decltype(shape);
@@ -610,7 +703,7 @@ ReduceSource reduce_source(const int8_t* codes, const float* scales, int64_t k, 
 }
 
 cudaError_t run_dequant(const ReduceSource& src, int64_t rows, int64_t length, int64_t block_size, float post_scale,
-                        void* out, DType out_dtype, cudaStream_t stream) {
+                        int64_t hadamard, void* out, DType out_dtype, cudaStream_t stream) {
   if (rows <= 0 || length <= 0 || src.k <= 0) return cudaSuccess;
   const int64_t block = block_size < length ? block_size : length;
   // Nothing is reduced across a block here, so tiles need not cover whole blocks: capping them at a warp's two chunks
@@ -621,7 +714,8 @@ cudaError_t run_dequant(const ReduceSource& src, int64_t rows, int64_t length, i
     return with_block_shape<kDequantTile>(shape_block, [&](auto shape) {
       using S = decltype(shape);
       const TileGrid grid = make_grid(rows, length, block, int64_t(S::kG) * S::kC * kChunk);
-      return launch_tiles<S>(dequant_kernel<T, S::kG, S::kC>, grid, stream, src, static_cast<T*>(out), post_scale);
+      return launch_tiles<S>(dequant_kernel<T, S::kG, S::kC>, grid, stream, src, static_cast<T*>(out), post_scale,
+                             make_rotation(hadamard));
     });
   });
 }
@@ -629,29 +723,29 @@ cudaError_t run_dequant(const ReduceSource& src, int64_t rows, int64_t length, i
 }  // namespace
 
 int launch_quantize(const void* x, DType x_dtype, int64_t rows, int64_t length, int bits, int64_t block_size,
-                    bool stochastic, int64_t seed, int8_t* codes, float* scales, void* stream) {
-  return launch_swizzle_quantize(x, x_dtype, rows, 1, 1, length, bits, block_size, stochastic, seed, codes, scales,
-                                 stream);
+                    bool stochastic, int64_t seed, int64_t hadamard, int8_t* codes, float* scales, void* stream) {
+  return launch_swizzle_quantize(x, x_dtype, rows, 1, 1, length, bits, block_size, stochastic, seed, hadamard, codes,
+                                 scales, stream);
 }
 
 int launch_swizzle_quantize(const void* x, DType x_dtype, int64_t nodes, int64_t node_size, int64_t stages,
                             int64_t length, int bits, int64_t block_size, bool stochastic, int64_t seed,
-                            int8_t* codes, float* scales, void* stream) {
+                            int64_t hadamard, int8_t* codes, float* scales, void* stream) {
   return static_cast<int>(with_dtype(x_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const DenseSource<T> src{static_cast<const T*>(x), length, nodes, node_size, stages};
-    return run_quantize(src, nodes * node_size * stages, length, bits, block_size, stochastic, seed, codes, scales,
-                        static_cast<cudaStream_t>(stream));
+    return run_quantize(src, nodes * node_size * stages, length, bits, block_size, stochastic, seed, hadamard, codes,
+                        scales, static_cast<cudaStream_t>(stream));
   }));
 }
 
 int launch_dequantize(const int8_t* codes, const float* scales, int64_t rows, int64_t length, int bits,
-                      int64_t block_size, void* out, DType out_dtype, void* stream) {
+                      int64_t block_size, int64_t hadamard, void* out, DType out_dtype, void* stream) {
   const ReduceSource src = reduce_source(codes, scales, 1, rows, length, bits, block_size);
   // Multiplying by 1.0f changes no bit pattern on the GPU (a NaN is already the canonical one), so a single
   // dequantization shares the reduction's kernel.
   return static_cast<int>(
-      run_dequant(src, rows, length, block_size, 1.0f, out, out_dtype, static_cast<cudaStream_t>(stream)));
+      run_dequant(src, rows, length, block_size, 1.0f, hadamard, out, out_dtype, static_cast<cudaStream_t>(stream)));
 }
 
 int launch_dequant_reduce_quant(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length,
@@ -659,15 +753,16 @@ int launch_dequant_reduce_quant(const int8_t* codes, const float* scales, int64_
                                 int8_t* out_codes, float* out_scales, void* stream) {
   if (k <= 0) return static_cast<int>(cudaSuccess);
   const ReduceSource src = reduce_source(codes, scales, k, rows, length, in_bits, block_size);
-  return static_cast<int>(run_quantize(src, rows, length, out_bits, block_size, stochastic, seed, out_codes,
+  return static_cast<int>(run_quantize(src, rows, length, out_bits, block_size, stochastic, seed, 0, out_codes,
                                        out_scales, static_cast<cudaStream_t>(stream)));
 }
 
 int launch_dequant_reduce(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length,
-                          int bits, int64_t block_size, float scale, void* out, DType out_dtype, void* stream) {
+                          int bits, int64_t block_size, float scale, int64_t hadamard, void* out, DType out_dtype,
+                          void* stream) {
   const ReduceSource src = reduce_source(codes, scales, k, rows, length, bits, block_size);
-  return static_cast<int>(
-      run_dequant(src, rows, length, block_size, scale, out, out_dtype, static_cast<cudaStream_t>(stream)));
+  return static_cast<int>(run_dequant(src, rows, length, block_size, scale, hadamard, out, out_dtype,
+                                      static_cast<cudaStream_t>(stream)));
 }
 
 const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

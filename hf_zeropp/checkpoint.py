@@ -155,7 +155,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     if _rank() == 0:
         rng_dir.mkdir(exist_ok=True)
     _barrier()
-    torch.save(_rng_state(), rng_dir / f"rank{_rank()}.pt")
+    torch.save({**_rng_state(), "qgz_residuals": _qgz_residuals(model)}, rng_dir / f"rank{_rank()}.pt")
     if _rank() == 0:
         if scheduler is not None:
             torch.save(scheduler.state_dict(), partial / "scheduler.pt")
@@ -190,8 +190,11 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     _restore_qgz_call_counts(model, meta.get("qgz_calls"))
     rng_file = directory / _RNG_DIR / f"rank{_rank()}.pt"
     same_world = meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1)
-    if restore_rng and same_world and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    if same_world and rng_file.is_file():
+        rank_state = torch.load(rng_file, weights_only=False)
+        if restore_rng:
+            _set_rng_state(rank_state)
+        _restore_qgz_residuals(model, rank_state.get("qgz_residuals"))
     return meta
 
 
@@ -216,6 +219,26 @@ def _restore_qgz_call_counts(model: nn.Module, counts: list[int] | None) -> None
     for reduce_scatter, count in zip(reduce_scatters, counts):
         if isinstance(getattr(reduce_scatter, "_calls", None), itertools.count):
             reduce_scatter._calls = itertools.count(count)
+
+
+def _qgz_residuals(model: nn.Module) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]] | None]:
+    """Each qgZ reduce-scatter's error-feedback residuals (rank-local: they belong to this rank's partial sums)."""
+    reduce_scatters = getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []
+    return [{stage: tuple(q) for stage, q in feedback.residuals.items()}
+            if (feedback := getattr(reduce_scatter, "feedback", None)) is not None else None
+            for reduce_scatter in reduce_scatters]
+
+
+def _restore_qgz_residuals(model: nn.Module, saved: list | None) -> None:
+    reduce_scatters = getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []
+    if not saved or len(saved) != len(reduce_scatters):
+        return  # none saved, or another wrapping: feedback restarts from zero residuals (one step's rounding lost)
+    from .kernels import Quantized
+
+    for reduce_scatter, residuals in zip(reduce_scatters, saved):
+        feedback = getattr(reduce_scatter, "feedback", None)
+        if feedback is not None and residuals is not None:
+            feedback.residuals = {stage: Quantized(*q) for stage, q in residuals.items()}
 
 
 def latest_checkpoint(root: str | os.PathLike, prefix: str = "checkpoint-") -> Path | None:

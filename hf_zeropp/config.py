@@ -25,6 +25,7 @@ REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 KERNEL_BACKENDS = ("reference", "cpp", "cuda")
 # Block sizes are kept to multiples of 8 so that every block starts 8-element aligned for vectorized kernels.
 BLOCK_ALIGNMENT = 8
+MAX_HADAMARD = 128  # the kernels rotate groups of up to 128 elements (16 lanes of 8 in CUDA)
 
 # DeepSpeed zero_optimization keys hf_zeropp maps onto its own fields.
 _DEEPSPEED_MAPPED = {
@@ -83,6 +84,8 @@ class ZeroPPConfig:
     gradient_intra_bits: int | None = None
     block_size: int = 256
     gradient_block_size: int | None = None
+    gradient_hadamard: int = 0
+    gradient_error_feedback: bool = False
     quantize_hpz_gather: bool = False
     qgz_pipeline_stages: int = 1
     stochastic_rounding: bool = False
@@ -116,6 +119,7 @@ class ZeroPPConfig:
                     f"{name}={value} must be a positive multiple of {BLOCK_ALIGNMENT} (the kernels' alignment), "
                     f"e.g. {max(BLOCK_ALIGNMENT, -(-value // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT)}"
                 )
+        self._check_gradient_hadamard()
         if self.qgz_pipeline_stages < 1:
             raise ValueError(f"qgz_pipeline_stages={self.qgz_pipeline_stages} must be >= 1")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -135,6 +139,17 @@ class ZeroPPConfig:
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"{name}={value} must be a fraction of max_steps in (0, 1], e.g. 0.5")
         self._check_stage_supports_options()
+
+    def _check_gradient_hadamard(self) -> None:
+        size = self.gradient_hadamard
+        if size < 0 or size > MAX_HADAMARD or size == 1 or size & (size - 1):
+            raise ValueError(f"gradient_hadamard={size} must be 0 (off) or a power of two up to {MAX_HADAMARD}; "
+                             f"32-128 spreads outliers best, e.g. 64")
+        block = self.gradient_block_size or self.block_size
+        if size and block % size:
+            name = "gradient_block_size" if self.gradient_block_size else "block_size"
+            raise ValueError(f"{name}={block} is not a multiple of gradient_hadamard={size}: a rotation group may "
+                             f"not straddle two quantization blocks; use {name}={-(-block // size) * size}")
 
     def _check_types(self) -> None:
         hints = typing.get_type_hints(type(self))

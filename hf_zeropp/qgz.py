@@ -37,15 +37,19 @@ if TYPE_CHECKING:
 
 
 class BlockQuantizedPayload:
-    """What qgZ ships: block-quantized codes plus one fp32 scale per block (the kernels in hf_zeropp.kernels)."""
+    """What qgZ ships: block-quantized codes plus one fp32 scale per block (the kernels in hf_zeropp.kernels).
 
-    def __init__(self, block_size: int, stochastic: bool) -> None:
+    With ``hadamard`` the rows are rotated before the first quantization and rotated back only after the last
+    reduction: the middle reduction sums rotated rows, which is the rotated sum."""
+
+    def __init__(self, block_size: int, stochastic: bool, hadamard: int = 0) -> None:
         self.block_size = block_size
         self.stochastic = stochastic
+        self.hadamard = hadamard
 
     def swizzle(self, flat, nodes, node_size, stages, bits, seed):
         return kernels.swizzle_quantize(flat, nodes, node_size, stages, bits, self.block_size,
-                                        stochastic=self.stochastic, seed=seed)
+                                        stochastic=self.stochastic, seed=seed, hadamard=self.hadamard)
 
     def reduce_requantize(self, payload, scales, in_bits, out_bits, length, seed):
         return kernels.dequant_reduce_quant(payload, scales, in_bits=in_bits, out_bits=out_bits,
@@ -54,7 +58,37 @@ class BlockQuantizedPayload:
 
     def reduce(self, payload, scales, bits, length, out) -> None:
         kernels.dequant_reduce(payload, scales, bits=bits, block_size=self.block_size, length=length,
-                               dtype=out.dtype, out=out)
+                               dtype=out.dtype, out=out, hadamard=self.hadamard)
+
+
+class ErrorFeedback:
+    """Error feedback (EF-SGD / LoCo style) for qgZ's inter-node requantization.
+
+    What the ``gradient_bits`` requantization of this rank's node partial sums drops in one step is added to the
+    same partial sums before they are requantized in the next, so rounding errors cancel over steps instead of
+    accumulating in the weights. Only this hop: its partial sums are already 1/node_size of the unit's gradient on
+    each rank, whereas compensating hop 1 would need a residual as large as the whole unsharded gradient. The
+    residual is kept block-quantized to 8 bits, one per pipeline stage: ``numel / node_size`` bytes (plus one fp32
+    scale per block) per rank for a unit of ``numel`` parameters, for as long as qgZ is on.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.residuals: dict[int, kernels.Quantized] = {}
+
+    def compensate(self, stage: int, partial_sums: torch.Tensor) -> None:
+        residual = self.residuals.get(stage)
+        if residual is not None and residual.codes.shape == partial_sums.shape:
+            partial_sums += kernels.dequantize(*residual, bits=8, block_size=self.block_size,
+                                               length=partial_sums.shape[-1])
+
+    def remember(self, stage: int, partial_sums: torch.Tensor, sent: kernels.Quantized, bits: int) -> None:
+        residual = partial_sums - kernels.dequantize(*sent, bits=bits, block_size=self.block_size,
+                                                     length=partial_sums.shape[-1])
+        self.residuals[stage] = kernels.quantize(residual, 8, self.block_size)
+
+    def reset(self) -> None:
+        self.residuals.clear()
 
 
 class FullPrecisionPayload:
@@ -83,7 +117,8 @@ def _sum_in_order(stacked: torch.Tensor) -> torch.Tensor:
 
 class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
     def __init__(self, meter: CommMeter, topology: Topology, intra_bits: int, inter_bits: int, block_size: int,
-                 stages: int, stochastic: bool, seed: int, enabled: bool = True,
+                 stages: int, stochastic: bool, seed: int, enabled: bool = True, hadamard: int = 0,
+                 error_feedback: bool = False,
                  payload: BlockQuantizedPayload | FullPrecisionPayload | None = None) -> None:
         self.meter = meter
         self.topology = topology
@@ -94,7 +129,9 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.stochastic = stochastic
         self.seed = seed
         self.enabled = enabled  # schedules switch qgZ off and on between steps
-        self.payload = payload or BlockQuantizedPayload(block_size, stochastic)
+        self.hadamard = hadamard
+        self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard)
+        self.feedback = ErrorFeedback(block_size) if error_feedback else None
         self._calls = itertools.count()
         self._plain = MeteredReduceScatter(meter)
 
@@ -103,6 +140,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         check_sum(op)
         topo = self.topology
         if not self.enabled:
+            if self.feedback is not None:
+                self.feedback.reset()  # a residual from before a pause belongs to other gradients
             return self._plain(output_tensor, input_tensor, group, op)
         if dist.get_world_size(group) != topo.world_size:
             raise RuntimeError(
@@ -143,7 +182,10 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
             final = []
             for s, arrival in enumerate(received):
                 got, got_scales = arrival()
-                if node_size > 1:
+                if node_size > 1 and self.feedback is not None:
+                    got, got_scales = self._requantize_with_feedback(s, got, got_scales, first_bits, slice_len,
+                                                                     seed + 1 + s)
+                elif node_size > 1:
                     got, got_scales = self.payload.reduce_requantize(got, got_scales, first_bits, self.inter_bits,
                                                                      slice_len, seed + 1 + s)
                 else:
@@ -158,13 +200,24 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
             output_tensor.copy_(result.reshape(-1)[:shard_numel])
         return None
 
+    def _requantize_with_feedback(self, stage: int, got: torch.Tensor, got_scales: torch.Tensor, bits: int,
+                                  slice_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """dequant_reduce_quant with the stage's residual added to the fp32 partial sums before requantizing (in the
+        payload's domain: rotated rows stay rotated)."""
+        partial_sums = kernels.dequant_reduce(got, got_scales, bits=bits, block_size=self.block_size, length=slice_len)
+        self.feedback.compensate(stage, partial_sums)
+        sent = kernels.quantize(partial_sums, self.inter_bits, self.block_size, stochastic=self.stochastic, seed=seed)
+        self.feedback.remember(stage, partial_sums, sent, self.inter_bits)
+        return sent
+
     def _record_error(self, chunks: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
                       slice_len: int) -> None:
         """Error of this rank's first quantization (hop 1), measured against its reordered input rows."""
         topo = self.topology
         source = kernels.swizzle_source_slices(topo.nodes, topo.node_size, self.stages).to(chunks.device)
         rows = chunks.reshape(-1, slice_len)[source]
-        restored = kernels.dequantize(payload, scales, bits=bits, block_size=self.block_size, length=slice_len)
+        restored = kernels.dequantize(payload, scales, bits=bits, block_size=self.block_size, length=slice_len,
+                                      hadamard=self.hadamard)
         self.meter.record_error("qgz_intra" if topo.node_size > 1 else "qgz_inter", rows, restored)
 
     def _seed(self) -> int:
@@ -197,6 +250,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         precision = (f"int{self.intra_bits}/int{self.inter_bits}, block {self.block_size}"
                      if isinstance(self.payload, BlockQuantizedPayload) else "fp32 (quantization bypassed)")
         return (f"qgZ {hops} all-to-all {precision}, {self.stages} stage(s), {topo.nodes}x{topo.node_size}"
+                + (f", Hadamard {self.hadamard}" if self.hadamard else "")
+                + (", inter-node error feedback (8-bit residual)" if self.feedback is not None else "")
                 + (", stochastic rounding" if self.stochastic else ""))
 
 
@@ -217,4 +272,6 @@ def make_reduce_scatter(state: ZeroPPState) -> QuantizedReduceScatter:
         stochastic=config.stochastic_rounding,
         seed=config.seed,
         enabled=config.quantized_gradients,
+        hadamard=config.gradient_hadamard,
+        error_feedback=config.gradient_error_feedback,
     )

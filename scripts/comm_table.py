@@ -11,6 +11,11 @@ to other nodes per collective as a fraction of ZeRO-3's — the ZeRO++ paper's T
 
 ``--configs stages``: ZeRO stages 0-3; prints per-rank parameter, gradient and optimizer-state bytes at rest, the
 gathered weights held after forward, and the bytes sent per step, beside the ZeRO formulas.
+
+``--configs qgz-options``: ZeRO++ all on, plain and with each qgZ accuracy option of issue I (Hadamard rotation,
+stochastic rounding, 8-bit intra-node hop, inter-node error feedback, the best combination): bytes per step inside
+and across nodes, the extra memory each keeps between steps, and the step time as a ratio to plain ZeRO++ —
+medians over ``--steps`` steps, the configurations' steps interleaved so that machine noise hits all alike.
 """
 
 from __future__ import annotations
@@ -35,6 +40,16 @@ ZEROPP_CONFIGS = {
     "+hpZ": {"hpz_partition_size": "node"},
     "+qgZ": {"quantized_gradients": True},
     "ZeRO++ (all three)": {"quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True},
+}
+ZEROPP = {"quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True}
+QGZ_OPTION_CONFIGS = {
+    "ZeRO++": ZEROPP,
+    "+ Hadamard 64": {**ZEROPP, "gradient_hadamard": 64},
+    "+ stochastic rounding": {**ZEROPP, "stochastic_rounding": True},
+    "+ 8-bit intra-node hop": {**ZEROPP, "gradient_intra_bits": 8},
+    "+ error feedback": {**ZEROPP, "gradient_error_feedback": True},
+    "+ Hadamard + SR + 8-bit intra": {**ZEROPP, "gradient_hadamard": 64, "stochastic_rounding": True,
+                                      "gradient_intra_bits": 8},
 }
 COLUMNS = {"forward all-gather": ("fwd_allgather",), "backward all-gather": ("bwd_allgather",),
            "gradient reduction": ("grad_reduce_scatter", "qgz_intra", "qgz_inter")}
@@ -62,6 +77,59 @@ def _measure(configs: dict[str, dict]) -> dict:
         out[name] = {"stats": hf_zeropp.comm_stats(model, reset=True), "params": params,
                      "state": hf_zeropp.state_bytes(model, optimizer), "gathered": gathered_after_forward}
     return out
+
+
+def _measure_options(configs: dict[str, dict], steps: int) -> dict:
+    """Every configuration trains side by side (one step each in turn); returns bytes, residual memory and the
+    median step time per configuration."""
+    import time
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import hf_zeropp
+
+    runs = {}
+    for name, options in configs.items():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=4, n_head=4,
+                                           bos_token_id=0, eos_token_id=0))
+        hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(stage=3, mixed_precision="bf16", **options))
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), [])
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(steps + 1):  # step 0 warms up
+        ids = torch.randint(0, 1024, (4, 64), generator=generator)
+        for name, (model, optimizer, times) in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            dist.barrier()
+            if step:
+                times.append(time.perf_counter() - start)
+            if step == 0:
+                hf_zeropp.comm_stats(model, reset=True)
+    out = {}
+    for name, (model, _, times) in runs.items():
+        stats = hf_zeropp.comm_stats(model)["total"]
+        residual = sum(q.codes.numel() + 4 * q.scales.numel()
+                       for reduce_scatter in model._zeropp.reduce_scatters if reduce_scatter.feedback is not None
+                       for q in reduce_scatter.feedback.residuals.values())
+        out[name] = {"step_s": sorted(times)[len(times) // 2], "intra": stats["intra_node"] / steps,
+                     "inter": stats["inter_node"] / steps, "residual_bytes": residual,
+                     "params": sum(p.numel() for p in model.parameters())}
+    return out
+
+
+def options_table(results: dict) -> str:
+    base = results["ZeRO++"]
+    lines = ["| configuration | sent intra-node / step | sent cross-node / step | kept between steps | "
+             "step time (ratio to ZeRO++) |", "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        kept = f"{r['residual_bytes'] / 1e6:.3f} MB" if r["residual_bytes"] else "0"
+        lines.append(f"| {name} | {r['intra'] / 1e6:.3f} MB | {r['inter'] / 1e6:.3f} MB | {kept} | "
+                     f"{r['step_s'] * 1e3:.0f} ms ({r['step_s'] / base['step_s']:.2f}) |")
+    return "\n".join(lines)
 
 
 def memory_table(results: dict, world: int) -> str:
@@ -106,11 +174,23 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", choices=["zeropp", "stages"], default="zeropp")
+    parser.add_argument("--configs", choices=["zeropp", "stages", "qgz-options"], default="zeropp")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (qgz-options)")
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--node-size", type=int, default=2)
     parser.add_argument("--json", help="also write the raw per-rank statistics here")
     args = parser.parse_args()
+    if args.configs == "qgz-options":
+        results = run_distributed(_measure_options, args.world, QGZ_OPTION_CONFIGS, args.steps,
+                                  node_size=args.node_size)[0]
+        params = results["ZeRO++"]["params"]
+        print(f"GPT-2-style model, {params / 1e6:.2f}M parameters, bf16, {args.world} ranks = "
+              f"{args.world // args.node_size} nodes x {args.node_size}, rank 0, medians of {args.steps} steps:\n")
+        print(options_table(results))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(results, handle, indent=2)
+        return
     configs = ZEROPP_CONFIGS if args.configs == "zeropp" else STAGE_CONFIGS
     results = run_distributed(_measure, args.world, configs, node_size=args.node_size)[0]
     params = next(iter(results.values()))["params"]

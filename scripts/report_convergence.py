@@ -2,22 +2,39 @@
 
     python scripts/report_convergence.py out/gpt_mini --baseline zero3 [--out out/gpt_mini/report]
 
-Reads every ``<run>/metrics.jsonl`` under the given folders (written by scripts/train_gpt.py), prints a markdown
-table — final validation loss, gap to the baseline in %, wall time — writes it to ``<out>/table.md`` and plots the
-validation-loss curves to ``<out>/validation_loss.png``.
+Reads every ``<run>/metrics.jsonl`` under the given folders (written by scripts/train_gpt.py); unfinished runs are
+skipped. Runs of one recipe
+with different seeds are aggregated: the final loss is reported as mean ± sample standard deviation over seeds, and
+the gap to the baseline is computed per seed against the baseline run of the same seed (same initialisation and
+data order), then averaged — at mini scale the seed-to-seed spread is larger than the effects being measured, so
+only paired gaps are comparable. Writes the markdown table to ``<out>/table.md`` and the mean validation-loss curves
+(band: min–max over seeds) to ``<out>/validation_loss.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
+import sys
+from collections import defaultdict
 from pathlib import Path
 
 PAPER_TABLE5 = {"zero3": 2.1218, "zeropp": 2.1656, "zeropp_qgz_half": 2.1340, "zeropp_no_qgz": 2.1217}
 
 
-def load_runs(folders: list[Path]) -> dict[str, dict]:
-    runs = {}
+def _seed_of(records: list[dict], path: Path) -> int:
+    """The run's seed: recorded by train_gpt.py, else a ``seed<N>`` folder in its path, else 0."""
+    if "seed" in records[0]:
+        return int(records[0]["seed"])
+    match = next((re.fullmatch(r"seed(\d+)", part) for part in path.parts if re.fullmatch(r"seed(\d+)", part)), None)
+    return int(match.group(1)) if match else 0
+
+
+def load_runs(folders: list[Path]) -> dict[str, dict[int, dict]]:
+    """recipe name -> seed -> {curve, final, runtime, path}."""
+    runs: dict[str, dict[int, dict]] = defaultdict(dict)
     for folder in folders:
         for path in sorted(folder.glob("**/metrics.jsonl")):
             records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -25,40 +42,69 @@ def load_runs(folders: list[Path]) -> dict[str, dict]:
             if not evals:
                 continue
             name = records[0].get("recipe", path.parent.name)
+            seed = _seed_of(records, path)
+            if not any("train_runtime" in r for r in records):
+                print(f"skipping {path}: the run has not finished (no train_runtime record)", file=sys.stderr)
+                continue
+            if seed in runs[name]:
+                raise SystemExit(f"two runs of {name!r} with seed {seed}: {runs[name][seed]['path']} and {path}; "
+                                 "pass only one of them")
             runtime = next((r["train_runtime"] for r in records if "train_runtime" in r), None)
-            curve = sorted(dict(evals).items())
-            runs[name] = {"curve": curve, "final": evals[-1][1], "runtime": runtime, "path": str(path)}
-    return runs
+            runs[name][seed] = {"curve": sorted(dict(evals).items()), "final": evals[-1][1], "runtime": runtime,
+                                "path": str(path)}
+    return dict(runs)
 
 
-def table(runs: dict[str, dict], baseline: str) -> str:
+def _mean_spread(values: list[float], digits: int, suffix: str = "") -> str:
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:+.{digits}f}{suffix}" if suffix else f"{mean:.{digits}f}"
+    spread = statistics.stdev(values)
+    return f"{mean:+.{digits}f} ± {spread:.{digits}f}{suffix}" if suffix else f"{mean:.{digits}f} ± {spread:.{digits}f}"
+
+
+def table(runs: dict[str, dict[int, dict]], baseline: str) -> str:
     if baseline not in runs:
         raise SystemExit(f"baseline run {baseline!r} not found among {sorted(runs)}")
-    base = runs[baseline]["final"]
-    lines = ["| configuration | final validation loss | gap to baseline | paper (Table 5) | train time |",
-             "|---|---:|---:|---:|---:|"]
-    for name, run in sorted(runs.items(), key=lambda item: item[0] != baseline):
-        gap = (run["final"] - base) / base * 100
+    base = runs[baseline]
+    header = ("| configuration | seeds | final validation loss | gap to baseline | gap per seed | paper (Table 5) "
+              "| train time |")
+    lines = [header, "|---|---:|---:|---:|---|---:|---:|"]
+    for name, by_seed in sorted(runs.items(), key=lambda item: (item[0] != baseline, item[0])):
+        seeds = sorted(by_seed)
+        paired = [s for s in seeds if s in base]
+        gaps = [(by_seed[s]["final"] - base[s]["final"]) / base[s]["final"] * 100 for s in paired]
+        gap_text = _mean_spread(gaps, 2, " %") if gaps else "no paired baseline"
+        per_seed = ", ".join(f"{gap:+.2f}" for gap in gaps) if len(gaps) > 1 else "—"
         paper = PAPER_TABLE5.get(name)
         paper_text = f"{paper:.4f} ({(paper - PAPER_TABLE5['zero3']) / PAPER_TABLE5['zero3'] * 100:+.2f} %)" \
             if paper else "diverged" if "nonblocked" in name else "—"
-        runtime = f"{run['runtime']:.0f} s" if run["runtime"] else "—"
-        lines.append(f"| {name} | {run['final']:.4f} | {gap:+.2f} % | {paper_text} | {runtime} |")
+        runtimes = [by_seed[s]["runtime"] for s in seeds if by_seed[s]["runtime"]]
+        runtime = f"{statistics.fmean(runtimes):.0f} s" if runtimes else "—"
+        finals = _mean_spread([by_seed[s]["final"] for s in seeds], 4)
+        lines.append(f"| {name} | {','.join(map(str, seeds))} | {finals} | {gap_text} | {per_seed} | {paper_text} "
+                     f"| {runtime} |")
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, dict], path: Path) -> None:
+def plot(runs: dict[str, dict[int, dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for name, run in sorted(runs.items()):
-        steps, losses = zip(*run["curve"])
-        axes.plot(steps, losses, marker="o", markersize=3, label=name)
+    for name, by_seed in sorted(runs.items()):
+        curves = [dict(run["curve"]) for run in by_seed.values()]
+        steps = sorted(set.intersection(*(set(curve) for curve in curves)))
+        values = [[curve[step] for curve in curves] for step in steps]
+        line, = axes.plot(steps, [statistics.fmean(v) for v in values], marker="o", markersize=3,
+                          label=f"{name} (n={len(curves)})")
+        if len(curves) > 1:
+            axes.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
+                              alpha=0.15)
     axes.set_xlabel("step")
-    axes.set_ylabel("validation loss")
+    axes.set_ylabel("validation loss (mean over seeds)")
     axes.set_title("Validation loss (ZeRO++ Fig. 14 analog)")
     axes.grid(alpha=0.3)
     axes.legend()

@@ -3,7 +3,9 @@
     torchrun --nproc_per_node 4 scripts/train_gpt.py recipes/gpt350m_pile/mini/zeropp.yaml [--max_steps 20 ...]
 
 A recipe has three sections: ``model`` (GPT2Config keywords), ``data`` (corpus, tokenizer, sequence length) and
-``training`` (TrainingArguments keywords, including ``zeropp``: a preset, a file or a dict). Any TrainingArguments flag on the command line (``--zeropp zero3``, ``--max_steps 10``,
+``training`` (TrainingArguments keywords, including ``zeropp``: a preset, a file or a dict). A recipe with
+``base: other.yaml`` (relative to its folder) starts from that recipe and replaces the keys it gives in each
+section, so a variant states only what differs. Any TrainingArguments flag on the command line (``--zeropp zero3``, ``--max_steps 10``,
 ``--output_dir ...``) overrides the recipe. Validation loss is evaluated on a held-out split every
 ``eval_steps``; every log and evaluation is appended as one JSON line to ``<output_dir>/metrics.jsonl``, which
 ``scripts/report_convergence.py`` reads.
@@ -86,26 +88,45 @@ def build_datasets(data: dict[str, Any]) -> tuple[Dataset | IterableDataset, Dat
 class MetricsFile(TrainerCallback):
     """One JSON line per log/evaluation on the main process."""
 
-    def __init__(self, path: Path, recipe: str) -> None:
-        self.path, self.recipe = path, recipe
+    def __init__(self, path: Path, recipe: str, seed: int) -> None:
+        self.path, self.recipe, self.seed = path, recipe, seed
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as handle:
-                handle.write(json.dumps({"recipe": self.recipe, "step": state.global_step, **logs}) + "\n")
+                handle.write(json.dumps({"recipe": self.recipe, "seed": self.seed, "step": state.global_step, **logs}) + "\n")
+
+
+SECTIONS = ("model", "data", "training")
+
+
+def load_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The recipe at ``path`` with its ``base`` chain applied (section keys of the derived recipe win)."""
+    if not path.is_file():
+        raise SystemExit(f"recipe {str(path)!r} does not exist")
+    if path.resolve() in seen:
+        raise SystemExit(f"recipe {path} is its own base (cycle through {[str(p) for p in seen]})")
+    recipe = yaml.safe_load(path.read_text())
+    if not isinstance(recipe, dict):
+        raise SystemExit(f"recipe {path} must be a mapping of sections {SECTIONS}")
+    unknown = set(recipe) - {*SECTIONS, "description", "base"}
+    if unknown:
+        raise SystemExit(f"recipe {path} has unknown sections {sorted(unknown)}")
+    if "base" not in recipe:
+        return recipe
+    base = load_recipe(path.parent / recipe.pop("base"), (*seen, path.resolve()))
+    for section in SECTIONS:
+        base[section] = {**base.get(section, {}), **recipe.get(section, {})}
+    base["description"] = recipe.get("description", base.get("description"))
+    return base
 
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], Any]:
     if not argv or argv[0].startswith("-"):
         raise SystemExit("usage: train_gpt.py RECIPE.yaml [TrainingArguments flags ...]")
     recipe_path = Path(argv[0])
-    if not recipe_path.is_file():
-        raise SystemExit(f"recipe {str(recipe_path)!r} does not exist")
-    recipe = yaml.safe_load(recipe_path.read_text())
-    unknown = set(recipe) - {"model", "data", "training", "description"}
-    if unknown:
-        raise SystemExit(f"recipe {recipe_path} has unknown sections {sorted(unknown)}")
+    recipe = load_recipe(recipe_path)
     parser = HfArgumentParser(hf_zeropp.ZeroPPTrainingArguments)
     defaults = {k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in recipe["training"].items()}
     parser.set_defaults(**defaults)
@@ -121,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=int(recipe["data"]["seq_len"]),
                                        bos_token_id=0, eos_token_id=0, **recipe["model"]))
     trainer = hf_zeropp.ZeroPPTrainer(model=model, args=args, train_dataset=train, eval_dataset=validation,
-                                      callbacks=[MetricsFile(Path(args.output_dir) / "metrics.jsonl", recipe["name"])])
+                                      callbacks=[MetricsFile(Path(args.output_dir) / "metrics.jsonl", recipe["name"],
+                                                                 args.seed)])
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final = trainer.evaluate()
     trainer.save_model()

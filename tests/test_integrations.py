@@ -78,6 +78,23 @@ def test_trainer_from_the_command_line_logs_comm_and_resumes(tmp_path):
     GPT2LMHeadModel.from_pretrained(tmp_path / "full")
 
 
+def test_accuracy_variant_recipe_runs_hadamard_stochastic_8bit_intra_hop(tmp_path):
+    """A ``base:`` recipe (issue I's best combination) through the runner: its qgZ sends an 8-bit intra-node hop
+    (4x the bytes of the 4-bit inter-node hop with 2 ranks per node, vs 2x with a 4-bit first hop) and its hop-1
+    error, measured after rotating back, is that of 8 bits."""
+    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_gpt.py",
+             "recipes/gpt350m_pile/mini/zeropp_hadamard_sr_intra8.yaml", "--output_dir", str(tmp_path),
+             "--max_steps", "6", "--logging_steps", "2", "--eval_steps", "6"], {"ZEROPP_NODE_SIZE": "2"})
+    logs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_logs = [m for m in logs if "loss" in m]
+    assert train_logs[-1]["loss"] < train_logs[0]["loss"]
+    first = train_logs[0]
+    ratio = first["zeropp/qgz_intra_intra_node_bytes"] / first["zeropp/qgz_inter_inter_node_bytes"]
+    assert 3.5 < ratio < 4.5, ratio
+    assert 0 < first["zeropp/qgz_intra_relative_error"] < 0.02
+    assert any("eval_loss" in m for m in logs)
+
+
 def _sft_run(output: str):
     from datasets import Dataset
     from transformers import GPT2Config, GPT2LMHeadModel

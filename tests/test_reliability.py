@@ -591,7 +591,8 @@ def test_trainer_resume_from_checkpoint_true_never_picks_a_partial_checkpoint(tr
 # ============================================================================ 4 + 6. rank failure and exact resume
 
 RESUME_CONFIGS = {"stage3": {"stage": 3}, "zeropp": ZEROPP,
-                  "zeropp_sr": {**ZEROPP, "stochastic_rounding": True, "seed": 7}}
+                  "zeropp_sr": {**ZEROPP, "stochastic_rounding": True, "seed": 7},
+                  "zeropp_ef": {**ZEROPP, "gradient_error_feedback": True, "gradient_hadamard": 64}}
 STEPS, SAVE_AT, FAULT_AT = 20, 10, 15
 
 
@@ -683,11 +684,12 @@ def test_faulty_runs_match_the_uninterrupted_run_until_the_fault(uninterrupted, 
 
 @pytest.fixture(scope="module")
 def resumed(resume_dir, killed_mid_step, killed_mid_save, uninterrupted):
-    """One launch resuming all three from their latest checkpoint: the two faulty runs' roots, and the
-    uninterrupted run's root for stochastic rounding."""
+    """One launch resuming all four from their latest checkpoint: the two faulty runs' roots, and the
+    uninterrupted runs' roots for stochastic rounding and error feedback."""
     work = resume_dir / "resumed"
     roots = {"stage3": resume_dir / "killed_mid_step" / "stage3", "zeropp": resume_dir / "killed_mid_save" / "zeropp",
-             "zeropp_sr": resume_dir / "uninterrupted" / "zeropp_sr"}
+             "zeropp_sr": resume_dir / "uninterrupted" / "zeropp_sr",
+             "zeropp_ef": resume_dir / "uninterrupted" / "zeropp_ef"}
     spec = {"pg_timeout": PG_TIMEOUT,
             "runs": [_run(name, roots[name], work / f"{name}.json", resume=True, save_at=[]) for name in roots]}
     ranks = launch(WORKER, spec, work, 4, 2, timeout=500)
@@ -698,8 +700,8 @@ def resumed(resume_dir, killed_mid_step, killed_mid_save, uninterrupted):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(RESUME_CONFIGS))
 def test_resume_from_step_10_reproduces_steps_11_to_20_exactly(resumed, uninterrupted, name):
-    """Bit-identical losses after resuming: weights, AdamW state, LR schedule and (for stochastic rounding) the
-    qgZ rounding seeds all continue where the checkpoint left them."""
+    """Bit-identical losses after resuming: weights, AdamW state, LR schedule, (for stochastic rounding) the qgZ
+    rounding seeds and (for error feedback) its residuals all continue where the checkpoint left them."""
     record = resumed[name]
     assert Path(record["resumed_from"]).name == f"checkpoint-{SAVE_AT}"
     got = {int(k): v for k, v in record["losses"].items()}

@@ -10,32 +10,61 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _write_run(folder: Path, recipe: str, losses: list[float]) -> None:
+def _write_run(folder: Path, recipe: str, losses: list[float], seed: int | None = None) -> None:
     folder.mkdir(parents=True)
-    lines = [{"recipe": recipe, "step": 10 * (i + 1), "loss": loss + 0.1} for i, loss in enumerate(losses)]
-    lines += [{"recipe": recipe, "step": 10 * (i + 1), "eval_loss": loss} for i, loss in enumerate(losses)]
-    lines.append({"recipe": recipe, "step": 10 * len(losses), "train_runtime": 12.5})
+    tag = {} if seed is None else {"seed": seed}
+    lines = [{"recipe": recipe, **tag, "step": 10 * (i + 1), "loss": loss + 0.1} for i, loss in enumerate(losses)]
+    lines += [{"recipe": recipe, **tag, "step": 10 * (i + 1), "eval_loss": loss} for i, loss in enumerate(losses)]
+    lines.append({"recipe": recipe, **tag, "step": 10 * len(losses), "train_runtime": 12.5})
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+
+
+def _report(folder: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "report_convergence.py"), str(folder), *extra],
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_report_table_and_plot(tmp_path):
     _write_run(tmp_path / "zero3", "zero3", [3.0, 2.5, 2.0])
     _write_run(tmp_path / "zeropp", "zeropp", [3.1, 2.6, 2.04])
     _write_run(tmp_path / "zeropp_nonblocked", "zeropp_nonblocked", [3.5, 3.4, 3.3])
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "report_convergence.py"), str(tmp_path),
-                             "--baseline", "zero3", "--out", str(tmp_path / "report")],
-                            capture_output=True, text=True, timeout=120)
+    result = _report(tmp_path, "--baseline", "zero3", "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     table = (tmp_path / "report" / "table.md").read_text().splitlines()
-    assert table[2].startswith("| zero3 | 2.0000 | +0.00 % | 2.1218 (+0.00 %) | 12 s |")
-    assert "| zeropp | 2.0400 | +2.00 % | 2.1656 (+2.06 %) |" in "\n".join(table)
-    assert "| zeropp_nonblocked | 3.3000 | +65.00 % | diverged |" in "\n".join(table)
+    assert table[2] == "| zero3 | 0 | 2.0000 | +0.00 % | — | 2.1218 (+0.00 %) | 12 s |"
+    assert "| zeropp | 0 | 2.0400 | +2.00 % | — | 2.1656 (+2.06 %) | 12 s |" in table
+    assert "| zeropp_nonblocked | 0 | 3.3000 | +65.00 % | — | diverged | 12 s |" in table
     png = (tmp_path / "report" / "validation_loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_report_averages_seeds_and_pairs_each_gap_with_its_own_baseline(tmp_path):
+    """Gaps are per seed against the same seed's baseline: +2 % and +4 % average to +3 % (sample std 1.41), not
+    the gap of the means."""
+    for seed, (base, other) in enumerate([(2.0, 2.04), (2.5, 2.6)]):
+        _write_run(tmp_path / f"seed{seed}" / "zero3", "zero3", [3.0, base], seed=seed)
+        _write_run(tmp_path / f"seed{seed}" / "zeropp", "zeropp", [3.0, other])  # seed from the folder name
+    _write_run(tmp_path / "seed2" / "zeropp", "zeropp", [3.0, 9.0], seed=2)  # no baseline of seed 2
+    _write_run(tmp_path / "seed3" / "zeropp", "zeropp", [3.0], seed=3)
+    unfinished = tmp_path / "seed3" / "zeropp" / "metrics.jsonl"
+    unfinished.write_text("".join(line + "\n" for line in unfinished.read_text().splitlines()
+                                  if "train_runtime" not in line))
+    result = _report(tmp_path)
+    assert result.returncode == 0, result.stderr
+    table = (tmp_path / "report" / "table.md").read_text().splitlines()
+    assert table[2] == "| zero3 | 0,1 | 2.2500 ± 0.3536 | +0.00 ± 0.00 % | +0.00, +0.00 | 2.1218 (+0.00 %) | 12 s |"
+    assert table[3] == "| zeropp | 0,1,2 | 4.5467 ± 3.8669 | +3.00 ± 1.41 % | +2.00, +4.00 | 2.1656 (+2.06 %) | 12 s |"
+    assert "skipping" in result.stderr and "seed3" in result.stderr
+
+
+def test_report_refuses_two_runs_of_one_recipe_and_seed(tmp_path):
+    _write_run(tmp_path / "a" / "zero3", "zero3", [2.0], seed=0)
+    _write_run(tmp_path / "b" / "zero3", "zero3", [2.1], seed=0)
+    result = _report(tmp_path)
+    assert result.returncode != 0 and "two runs of 'zero3' with seed 0" in result.stderr
+
+
 def test_report_without_baseline_fails_clearly(tmp_path):
     _write_run(tmp_path / "zeropp", "zeropp", [3.0])
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "report_convergence.py"), str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = _report(tmp_path)
     assert result.returncode != 0 and "baseline run 'zero3' not found" in result.stderr

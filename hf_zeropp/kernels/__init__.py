@@ -105,6 +105,19 @@ def _check_block_size(block_size: int, bits: int) -> None:
         )
 
 
+MAX_HADAMARD = 128
+
+
+def _check_hadamard(hadamard: int, block_size: int) -> None:
+    if not isinstance(hadamard, int) or isinstance(hadamard, bool) or hadamard < 0 or hadamard > MAX_HADAMARD or (
+            hadamard & (hadamard - 1)):
+        raise ValueError(f"hadamard={hadamard!r} must be 0 (no rotation) or a power of two from 2 to {MAX_HADAMARD} "
+                         f"(32-128 spreads outliers best)")
+    if hadamard and block_size % hadamard:
+        raise ValueError(f"block_size={block_size} is not a multiple of hadamard={hadamard}: a rotation group may not "
+                         f"straddle two blocks; use block_size {-(-block_size // hadamard) * hadamard}")
+
+
 def _float_input(x: torch.Tensor, name: str = "x") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -159,16 +172,19 @@ def quantize(
     *,
     stochastic: bool = False,
     seed: int = 0,
+    hadamard: int = 0,
     backend: Backend | None = None,
 ) -> Quantized:
     """Symmetric block quantization along the last dimension.
 
     ``stochastic=True`` rounds ``floor(x / scale + u)`` with ``u`` drawn from ``seed`` and the element's index:
-    unbiased, and identical across backends and reruns.
+    unbiased, and identical across backends and reruns. ``hadamard=H`` quantizes the orthonormal Hadamard
+    transform of every aligned run of ``H`` elements instead (dequantize with the same ``hadamard``).
     """
     x = _float_input(x)
     _check_bits(bits)
     _check_block_size(block_size, bits)
+    _check_hadamard(hadamard, block_size)
     shape = tuple(x.shape) if x.dim() else (1,)
     length = shape[-1]
     lead = shape[:-1]
@@ -180,11 +196,11 @@ def quantize(
         return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=x.device))
     if module is None:
-        codes, scales = reference.quantize(rows, bits, block_size, stochastic, seed)
+        codes, scales = reference.quantize(rows, bits, block_size, stochastic, seed, hadamard)
         return Quantized(codes.reshape(codes_shape), scales.reshape(scales_shape))
     codes = torch.empty(codes_shape, dtype=torch.int8, device=x.device)
     scales = torch.empty(scales_shape, dtype=torch.float32, device=x.device)
-    module.quantize_(rows.contiguous(), bits, block_size, stochastic, seed, codes.view(rows.shape[0], -1),
+    module.quantize_(rows.contiguous(), bits, block_size, stochastic, seed, hadamard, codes.view(rows.shape[0], -1),
                      scales.view(rows.shape[0], -1))
     return Quantized(codes, scales)
 
@@ -198,9 +214,11 @@ def dequantize(
     length: int | None = None,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    hadamard: int = 0,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """``code * scale`` back to ``dtype``; ``length`` is the row length (needed for odd 4-bit rows).
+    """``code * scale`` back to ``dtype``; ``length`` is the row length (needed for odd 4-bit rows); ``hadamard``
+    as given to :func:`quantize` rotates the values back.
 
     ``out`` (contiguous, shape ``(..., length)``) receives the result in place, e.g. a view of a collective's
     output buffer, saving a copy.
@@ -208,6 +226,7 @@ def dequantize(
     _check_codes(codes, scales)
     _check_bits(bits)
     _check_block_size(block_size, bits)
+    _check_hadamard(hadamard, block_size)
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype={dtype} is not supported; dequantize to float32, float16 or bfloat16")
     length = _row_length(codes, scales, bits, block_size, length)
@@ -221,13 +240,13 @@ def dequantize(
     if codes.numel() == 0 or length == 0:
         return out if out is not None else torch.empty(shape, dtype=dtype, device=codes.device)
     if module is None:
-        result = reference.dequantize(codes, scales, bits, block_size, length, dtype)
+        result = reference.dequantize(codes, scales, bits, block_size, length, dtype, hadamard)
         return out.copy_(result) if out is not None else result
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=codes.device)
     rows = out.numel() // length
     module.dequantize_(codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1), bits, block_size,
-                       out.view(rows, length))
+                       hadamard, out.view(rows, length))
     return out
 
 
@@ -241,6 +260,7 @@ def swizzle_quantize(
     *,
     stochastic: bool = False,
     seed: int = 0,
+    hadamard: int = 0,
     backend: Backend | None = None,
 ) -> Quantized:
     """Reorder a reduce-scatter input for qgZ's hierarchical all-to-all and quantize it, in one pass.
@@ -250,11 +270,13 @@ def swizzle_quantize(
     holds slice ``s`` of the chunk of node ``m``'s local rank ``d`` (see
     :func:`~hf_zeropp.kernels.reference.swizzle_source_slices`), so stage ``s``'s intra-node all-to-all sends the
     contiguous rows ``[s * node_size * nodes, (s + 1) * node_size * nodes)``, ``nodes`` rows to each local peer.
-    Each row is quantized on its own (its own blocks and tail block).
+    Each row is quantized on its own (its own blocks and tail block), after the optional Hadamard rotation of its
+    aligned runs of ``hadamard`` elements.
     """
     x = _float_input(x)
     _check_bits(bits)
     _check_block_size(block_size, bits)
+    _check_hadamard(hadamard, block_size)
     for name, value in (("nodes", nodes), ("node_size", node_size), ("stages", stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -272,11 +294,12 @@ def swizzle_quantize(
         return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=x.device))
     if module is None:
-        return Quantized(*reference.swizzle_quantize(x, nodes, node_size, stages, bits, block_size, stochastic, seed))
+        return Quantized(*reference.swizzle_quantize(x, nodes, node_size, stages, bits, block_size, stochastic, seed,
+                                                    hadamard))
     codes = torch.empty(codes_shape, dtype=torch.int8, device=x.device)
     scales = torch.empty(scales_shape, dtype=torch.float32, device=x.device)
     module.swizzle_quantize_(x.contiguous().view(-1), nodes, node_size, stages, bits, block_size, stochastic, seed,
-                             codes, scales)
+                             hadamard, codes, scales)
     return Quantized(codes, scales)
 
 
@@ -306,7 +329,10 @@ def dequant_reduce_quant(
     backend: Backend | None = None,
 ) -> Quantized:
     """qgZ's middle step, fused: dequantize ``k`` inputs ``(k, rows, ·)``, add them in fp32, requantize to
-    ``out_bits`` rows ``(rows, ·)`` with the same block size."""
+    ``out_bits`` rows ``(rows, ·)`` with the same block size.
+
+    Hadamard-rotated inputs need no option here: the rotation is linear, so the sum of rotated rows is the rotated
+    sum and is requantized in the rotated domain; rotating back and forth would only add rounding."""
     length = _stacked(codes, scales, in_bits, block_size, length, "in_bits")
     _check_bits(out_bits, "out_bits")
     _check_block_size(block_size, out_bits)
@@ -339,11 +365,14 @@ def dequant_reduce(
     scale: float = 1.0,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    hadamard: int = 0,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """qgZ's last step, fused: dequantize ``k`` inputs ``(k, rows, ·)``, add them in fp32, multiply by ``scale``
-    (e.g. 1/world for an average), write ``(rows, length)`` in ``dtype``."""
+    """qgZ's last step, fused: dequantize ``k`` inputs ``(k, rows, ·)``, add them in fp32, rotate the sum back
+    (``hadamard`` as at quantization), multiply by ``scale`` (e.g. 1/world for an average), write ``(rows, length)``
+    in ``dtype``."""
     length = _stacked(codes, scales, bits, block_size, length, "bits")
+    _check_hadamard(hadamard, block_size)
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype={dtype} is not supported; reduce into float32, float16 or bfloat16")
     if codes.shape[0] == 0:
@@ -355,9 +384,9 @@ def dequant_reduce(
     if shape[0] == 0 or length == 0:
         return out if out is not None else torch.empty(shape, dtype=dtype, device=codes.device)
     if module is None:
-        result = reference.dequant_reduce(codes, scales, bits, block_size, length, scale, dtype)
+        result = reference.dequant_reduce(codes, scales, bits, block_size, length, scale, dtype, hadamard)
         return out.copy_(result) if out is not None else result
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=codes.device)
-    module.dequant_reduce_(codes.contiguous(), scales.contiguous(), bits, block_size, float(scale), out)
+    module.dequant_reduce_(codes.contiguous(), scales.contiguous(), bits, block_size, float(scale), hadamard, out)
     return out

@@ -15,9 +15,18 @@ Format (shared by all backends and by the collectives that ship it between ranks
   nibble, two's complement; an odd row length leaves a zero high nibble in its last byte. Codes are int8.
 * Dequantization returns ``code * scale`` (one fp32 multiply) cast to the requested dtype. Reductions add the
   dequantized inputs in input order ``((x0 + x1) + x2) + ...`` in fp32.
+* Optional Hadamard rotation (``hadamard = H``, a power of two up to 128 dividing the block size): before
+  quantization every run of ``H`` elements aligned to the row start is replaced by its orthonormal Walsh-Hadamard
+  transform, computed as the butterfly stages ``h = 1, 2, 4, ..., H/2`` — pairs ``(i, i + h)`` with bit ``h`` of
+  ``i`` clear become ``(a + b, a - b)`` — followed by one multiply by ``fp32(1 / sqrt(H))``. The transform is its
+  own inverse, so dequantization applies the same steps after ``code * scale`` (and after the sum, before the
+  reduction's ``scale``). A row's last ``L mod H`` elements are left unrotated. The rotation spreads one outlier
+  over ``H`` elements, so the block's scale fits the rest of the block far better (QuaRot, SDP4Bit).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -85,6 +94,31 @@ def _unpack_int4(packed: torch.Tensor, length: int) -> torch.Tensor:
     return codes[..., :length].to(torch.int8)
 
 
+def hadamard_rows(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform of each aligned run of ``size`` elements of fp32 rows (..., L); the
+    last ``L mod size`` elements of a row are returned unchanged. Applying it twice gives back x (up to rounding)."""
+    if not size:
+        return x
+    length = x.shape[-1]
+    full = length // size * size
+    if full == 0:
+        return x
+    groups = x[..., :full].reshape(*x.shape[:-1], full // size, size)
+    h = 1
+    while h < size:
+        pairs = groups.reshape(*groups.shape[:-1], size // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        groups = torch.stack((a + b, a - b), dim=-2).reshape(groups.shape)
+        h *= 2
+    rotated = groups.reshape(*x.shape[:-1], full) * hadamard_norm(size, x.device)
+    return torch.cat((rotated, x[..., full:]), dim=-1) if full < length else rotated
+
+
+def hadamard_norm(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``fp32(1 / sqrt(size))`` (from the double), the factor every backend multiplies by."""
+    return torch.tensor(1.0 / math.sqrt(size), dtype=torch.float32, device=device)
+
+
 def _quantize_rows(
     xf: torch.Tensor, bits: int, block_size: int, stochastic: bool, seed: int, element_index: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,14 +152,15 @@ def _dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, block
     return values.to(torch.float32) * expanded
 
 
-def quantize(x: torch.Tensor, bits: int, block_size: int, stochastic: bool = False, seed: int = 0):
+def quantize(x: torch.Tensor, bits: int, block_size: int, stochastic: bool = False, seed: int = 0,
+             hadamard: int = 0):
     """x (rows, L) floating -> (codes (rows, Lc) int8, scales (rows, nb) fp32)."""
-    return _quantize_rows(x.to(torch.float32), bits, block_size, stochastic, seed, None)
+    return _quantize_rows(hadamard_rows(x.to(torch.float32), hadamard), bits, block_size, stochastic, seed, None)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, length: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    return _dequantize_rows(codes, scales, bits, block_size, length).to(dtype)
+               dtype: torch.dtype, hadamard: int = 0) -> torch.Tensor:
+    return hadamard_rows(_dequantize_rows(codes, scales, bits, block_size, length), hadamard).to(dtype)
 
 
 def swizzle_source_slices(nodes: int, node_size: int, stages: int) -> torch.Tensor:
@@ -144,7 +179,7 @@ def swizzle_source_slices(nodes: int, node_size: int, stages: int) -> torch.Tens
 
 
 def swizzle_quantize(x: torch.Tensor, nodes: int, node_size: int, stages: int, bits: int, block_size: int,
-                     stochastic: bool = False, seed: int = 0):
+                     stochastic: bool = False, seed: int = 0, hadamard: int = 0):
     """Flat x (numel divisible by nodes*node_size*stages) -> codes/scales of shape (stages*node_size*nodes, ...)."""
     slices = nodes * node_size * stages
     flat = x.reshape(slices, -1)
@@ -153,7 +188,8 @@ def swizzle_quantize(x: torch.Tensor, nodes: int, node_size: int, stages: int, b
     index = None
     if stochastic:  # stochastic rounding draws by the element's position in the *source* tensor
         index = source.view(-1, 1) * length + torch.arange(length, device=x.device).view(1, -1)
-    return _quantize_rows(flat.to(torch.float32)[source], bits, block_size, stochastic, seed, index)
+    rows = hadamard_rows(flat.to(torch.float32)[source], hadamard)
+    return _quantize_rows(rows, bits, block_size, stochastic, seed, index)
 
 
 def _sum_in_order(values: torch.Tensor) -> torch.Tensor:
@@ -165,13 +201,16 @@ def _sum_in_order(values: torch.Tensor) -> torch.Tensor:
 
 def dequant_reduce_quant(codes: torch.Tensor, scales: torch.Tensor, in_bits: int, block_size: int, length: int,
                          out_bits: int, stochastic: bool = False, seed: int = 0):
-    """k quantized inputs (k, rows, Lc) -> fp32 sum over k -> requantized (rows, Lc') with ``out_bits``."""
+    """k quantized inputs (k, rows, Lc) -> fp32 sum over k -> requantized (rows, Lc') with ``out_bits``.
+
+    Takes no rotation: the sum of rotated rows is the rotated sum, so Hadamard-rotated inputs are reduced and
+    requantized in the rotated domain as they are, and only the last step (``dequant_reduce``) rotates back."""
     total = _sum_in_order(_dequantize_rows(codes, scales, in_bits, block_size, length))
     return _quantize_rows(total, out_bits, block_size, stochastic, seed, None)
 
 
 def dequant_reduce(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, length: int,
-                   scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """k quantized inputs (k, rows, Lc) -> (sum over k in fp32) * scale -> (rows, L) in ``dtype``."""
-    total = _sum_in_order(_dequantize_rows(codes, scales, bits, block_size, length))
+                   scale: float, dtype: torch.dtype, hadamard: int = 0) -> torch.Tensor:
+    """k quantized inputs (k, rows, Lc) -> (sum over k in fp32), rotated back -> * scale -> (rows, L) in ``dtype``."""
+    total = hadamard_rows(_sum_in_order(_dequantize_rows(codes, scales, bits, block_size, length)), hadamard)
     return (total * torch.tensor(scale, dtype=torch.float32)).to(dtype)
