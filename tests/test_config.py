@@ -15,7 +15,18 @@ def test_presets_and_dict_round_trip():
         3, True, "node", True)
     assert ZeroPPConfig.from_dict(config.to_dict()) == config
     assert ZeroPPConfig.from_dict({"preset": "zero2", "mixed_precision": "bf16"}).stage == 2
-    assert set(PRESETS) >= {"ddp", "zero1", "zero2", "zero3", "zeropp"}
+    assert set(PRESETS) >= {"ddp", "zero1", "zero2", "zero3", "zeropp", "zeropp-accurate"}
+
+
+def test_every_preset_has_its_config_file_in_recipes():
+    """recipes/zeropp/<preset>.yaml is the same configuration as the preset (the files are what the docs show)."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "recipes" / "zeropp"
+    for path in sorted(folder.glob("*.yaml")):
+        assert ZeroPPConfig.from_file(path) == ZeroPPConfig.preset(path.stem), path.name
+    accurate = ZeroPPConfig.preset("zeropp-accurate")
+    assert (accurate.gradient_hadamard, accurate.gradient_bits, accurate.quantized_gradients) == (64, 4, True)
 
 
 def test_from_file_yaml_json_and_nested(tmp_path):
