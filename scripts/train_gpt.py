@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer.save_model()
     if trainer.is_world_process_zero():
         print(json.dumps({"recipe": recipe["name"], "final_eval_loss": final["eval_loss"]}))
+    # as in train_grpo.py: every rank tears the process group down together instead of at interpreter exit
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -138,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
         first, last = points[: max(1, len(points) // 5)], points[-max(1, len(points) // 5):]
         print(json.dumps({"reward_first": sum(r for _, r in first) / len(first),
                           "reward_last": sum(r for _, r in last) / len(last)}))
+    # Tear the process group down on every rank together: left to interpreter exit, a rank's gloo threads can be
+    # destroyed while still joinable, which aborts that rank (SIGABRT) after a successful run.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
