@@ -198,11 +198,16 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     return meta
 
 
+def _reduce_scatters(model: nn.Module) -> list:
+    """The model's qgZ reduce-scatters, one per FSDP unit (none for an unsharded model)."""
+    return getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []
+
+
 def _qgz_call_counts(model: nn.Module) -> list[int] | None:
     """How many times each qgZ reduce-scatter has run: its stochastic-rounding seed is derived from that count, so
     a resumed run must continue the count to draw the same rounding as an uninterrupted one."""
     counts = []
-    for reduce_scatter in getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []:
+    for reduce_scatter in _reduce_scatters(model):
         calls = getattr(reduce_scatter, "_calls", None)
         if not isinstance(calls, itertools.count):
             return None  # not the counter this code knows: store nothing rather than something wrong
@@ -213,7 +218,7 @@ def _qgz_call_counts(model: nn.Module) -> list[int] | None:
 
 
 def _restore_qgz_call_counts(model: nn.Module, counts: list[int] | None) -> None:
-    reduce_scatters = getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []
+    reduce_scatters = _reduce_scatters(model)
     if not counts or len(counts) != len(reduce_scatters):
         return  # saved without them, or from a differently wrapped model: seeds restart (only rounding differs)
     for reduce_scatter, count in zip(reduce_scatters, counts):
@@ -223,14 +228,13 @@ def _restore_qgz_call_counts(model: nn.Module, counts: list[int] | None) -> None
 
 def _qgz_residuals(model: nn.Module) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]] | None]:
     """Each qgZ reduce-scatter's error-feedback residuals (rank-local: they belong to this rank's partial sums)."""
-    reduce_scatters = getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []
     return [{stage: tuple(q) for stage, q in feedback.residuals.items()}
             if (feedback := getattr(reduce_scatter, "feedback", None)) is not None else None
-            for reduce_scatter in reduce_scatters]
+            for reduce_scatter in _reduce_scatters(model)]
 
 
 def _restore_qgz_residuals(model: nn.Module, saved: list | None) -> None:
-    reduce_scatters = getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []
+    reduce_scatters = _reduce_scatters(model)
     if not saved or len(saved) != len(reduce_scatters):
         return  # none saved, or another wrapping: feedback restarts from zero residuals (one step's rounding lost)
     from .kernels import Quantized
@@ -264,7 +268,7 @@ def latest_checkpoint(root: str | os.PathLike, prefix: str = "checkpoint-") -> P
 
 
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME: the last file a Trainer checkpoint gets
-TRAINER_OPTIMIZER_DIR = "zeropp_optimizer"  # hf_zeropp.trainer.OPTIMIZER_DIR
+TRAINER_OPTIMIZER_DIR = "zeropp_optimizer"  # where ZeroPPTrainer keeps the optimizer shards in a checkpoint
 
 
 def is_complete_trainer_checkpoint(path: str | os.PathLike) -> bool:

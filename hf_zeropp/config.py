@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from .kernels.reference import MAX_HADAMARD, is_rotation_size
+
 STAGES = (0, 1, 2, 3)
 BITS = (4, 8)
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -25,7 +27,6 @@ REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 KERNEL_BACKENDS = ("reference", "cpp", "cuda")
 # Block sizes are kept to multiples of 8 so that every block starts 8-element aligned for vectorized kernels.
 BLOCK_ALIGNMENT = 8
-MAX_HADAMARD = 128  # the kernels rotate groups of up to 128 elements (16 lanes of 8 in CUDA)
 
 # DeepSpeed zero_optimization keys hf_zeropp maps onto its own fields.
 _DEEPSPEED_MAPPED = {
@@ -146,7 +147,7 @@ class ZeroPPConfig:
 
     def _check_gradient_hadamard(self) -> None:
         size = self.gradient_hadamard
-        if size < 0 or size > MAX_HADAMARD or size == 1 or size & (size - 1):
+        if not is_rotation_size(size):
             raise ValueError(f"gradient_hadamard={size} must be 0 (off) or a power of two up to {MAX_HADAMARD}; "
                              f"32-128 spreads outliers best, e.g. 64")
         block = self.gradient_block_size or self.block_size

@@ -22,7 +22,6 @@ from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_c
 from .config import ZeroPPConfig
 from .sharding import active_techniques, comm_stats, set_techniques, zeropp_state
 
-OPTIMIZER_DIR = TRAINER_OPTIMIZER_DIR
 _SCHEDULED = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
               "quantized_gradients_until": "quantized_gradients"}
 
@@ -168,16 +167,16 @@ class ZeroPPTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._zeropp_sharded():
             return super()._save_optimizer_and_scheduler(output_dir)
-        save_checkpoint(Path(output_dir) / OPTIMIZER_DIR, self.model, self.optimizer, self.lr_scheduler,
+        save_checkpoint(Path(output_dir) / TRAINER_OPTIMIZER_DIR, self.model, self.optimizer, self.lr_scheduler,
                         step=self.state.global_step, include_model=False)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not (Path(checkpoint) / OPTIMIZER_DIR).is_dir():
+        if checkpoint is None or not (Path(checkpoint) / TRAINER_OPTIMIZER_DIR).is_dir():
             return super()._load_optimizer_and_scheduler(checkpoint)
         if not self._zeropp_sharded():
             raise ValueError(f"{checkpoint} holds hf_zeropp optimizer shards; resume it with a ZeroPP trainer")
         # the Trainer restores RNG itself from its own per-rank files
-        load_checkpoint(Path(checkpoint) / OPTIMIZER_DIR, self.model, self.optimizer, self.lr_scheduler,
+        load_checkpoint(Path(checkpoint) / TRAINER_OPTIMIZER_DIR, self.model, self.optimizer, self.lr_scheduler,
                         restore_rng=False)
 
 

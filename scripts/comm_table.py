@@ -180,27 +180,24 @@ def main() -> None:
     parser.add_argument("--node-size", type=int, default=2)
     parser.add_argument("--json", help="also write the raw per-rank statistics here")
     args = parser.parse_args()
+    setup = f"{args.world} ranks = {args.world // args.node_size} nodes x {args.node_size}, rank 0"
     if args.configs == "qgz-options":
         results = run_distributed(_measure_options, args.world, QGZ_OPTION_CONFIGS, args.steps,
                                   node_size=args.node_size)[0]
         params = results["ZeRO++"]["params"]
-        print(f"GPT-2-style model, {params / 1e6:.2f}M parameters, bf16, {args.world} ranks = "
-              f"{args.world // args.node_size} nodes x {args.node_size}, rank 0, medians of {args.steps} steps:\n")
+        print(f"GPT-2-style model, {params / 1e6:.2f}M parameters, bf16, {setup}, medians of {args.steps} steps:\n")
         print(options_table(results))
-        if args.json:
-            with open(args.json, "w") as handle:
-                json.dump(results, handle, indent=2)
-        return
-    configs = ZEROPP_CONFIGS if args.configs == "zeropp" else STAGE_CONFIGS
-    results = run_distributed(_measure, args.world, configs, node_size=args.node_size)[0]
-    params = next(iter(results.values()))["params"]
-    print(f"GPT-2-style model, {params / 1e6:.2f}M parameters (M = {2 * params / 1e6:.2f} MB in bf16), "
-          f"{args.world} ranks = {args.world // args.node_size} nodes x {args.node_size}, one step, rank 0:\n")
-    if args.configs == "zeropp":
-        print("bytes sent to other nodes (fraction of ZeRO-3's per column):\n")
-        print(table(results))
     else:
-        print(memory_table(results, args.world))
+        configs = ZEROPP_CONFIGS if args.configs == "zeropp" else STAGE_CONFIGS
+        results = run_distributed(_measure, args.world, configs, node_size=args.node_size)[0]
+        params = next(iter(results.values()))["params"]
+        print(f"GPT-2-style model, {params / 1e6:.2f}M parameters (M = {2 * params / 1e6:.2f} MB in bf16), "
+              f"one step, {setup}:\n")
+        if args.configs == "zeropp":
+            print("bytes sent to other nodes (fraction of ZeRO-3's per column):\n")
+            print(table(results))
+        else:
+            print(memory_table(results, args.world))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)

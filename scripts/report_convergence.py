@@ -28,8 +28,11 @@ def _seed_of(records: list[dict], path: Path) -> int:
     """The run's seed: recorded by train_gpt.py, else a ``seed<N>`` folder in its path, else 0."""
     if "seed" in records[0]:
         return int(records[0]["seed"])
-    match = next((re.fullmatch(r"seed(\d+)", part) for part in path.parts if re.fullmatch(r"seed(\d+)", part)), None)
-    return int(match.group(1)) if match else 0
+    for part in path.parts:
+        match = re.fullmatch(r"seed(\d+)", part)
+        if match:
+            return int(match.group(1))
+    return 0
 
 
 def load_runs(folders: list[Path]) -> dict[str, dict[int, dict]]:

@@ -5,8 +5,8 @@
 A recipe has three sections: ``model`` (GPT2Config keywords), ``data`` (corpus, tokenizer, sequence length) and
 ``training`` (TrainingArguments keywords, including ``zeropp``: a preset, a file or a dict). A recipe with
 ``base: other.yaml`` (relative to its folder) starts from that recipe and replaces the keys it gives in each
-section, so a variant states only what differs. Any TrainingArguments flag on the command line (``--zeropp zero3``, ``--max_steps 10``,
-``--output_dir ...``) overrides the recipe. Validation loss is evaluated on a held-out split every
+section, so a variant states only what differs. Any TrainingArguments flag on the command line (``--zeropp zero3``,
+``--max_steps 10``, ``--output_dir ...``) overrides the recipe. Validation loss is evaluated on a held-out split every
 ``eval_steps``; every log and evaluation is appended as one JSON line to ``<output_dir>/metrics.jsonl``, which
 ``scripts/report_convergence.py`` reads.
 
@@ -95,7 +95,8 @@ class MetricsFile(TrainerCallback):
         if state.is_world_process_zero and logs:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as handle:
-                handle.write(json.dumps({"recipe": self.recipe, "seed": self.seed, "step": state.global_step, **logs}) + "\n")
+                record = {"recipe": self.recipe, "seed": self.seed, "step": state.global_step, **logs}
+                handle.write(json.dumps(record) + "\n")
 
 
 SECTIONS = ("model", "data", "training")

@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from . import _build, reference
-from .reference import QMAX, num_blocks, packed_length, swizzle_source_slices
+from .reference import MAX_HADAMARD, QMAX, is_rotation_size, num_blocks, packed_length, swizzle_source_slices
 
 __all__ = [
     "Backend",
@@ -105,12 +105,8 @@ def _check_block_size(block_size: int, bits: int) -> None:
         )
 
 
-MAX_HADAMARD = 128
-
-
 def _check_hadamard(hadamard: int, block_size: int) -> None:
-    if not isinstance(hadamard, int) or isinstance(hadamard, bool) or hadamard < 0 or hadamard > MAX_HADAMARD or (
-            hadamard & (hadamard - 1)):
+    if not isinstance(hadamard, int) or isinstance(hadamard, bool) or not is_rotation_size(hadamard):
         raise ValueError(f"hadamard={hadamard!r} must be 0 (no rotation) or a power of two from 2 to {MAX_HADAMARD} "
                          f"(32-128 spreads outliers best)")
     if hadamard and block_size % hadamard:

@@ -31,6 +31,7 @@ import math
 import torch
 
 QMAX = {8: 127, 4: 7}
+MAX_HADAMARD = 128  # rotation groups of up to 128 elements (16 lanes of 8 elements in the CUDA kernels)
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: the product with a 32-bit value fits in int64, so torch can do the mixing exactly.
@@ -92,6 +93,11 @@ def _unpack_int4(packed: torch.Tensor, length: int) -> torch.Tensor:
     hi = ((b >> 4) ^ 8) - 8
     codes = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
     return codes[..., :length].to(torch.int8)
+
+
+def is_rotation_size(size: int) -> bool:
+    """0 (no rotation) or a power of two from 2 to MAX_HADAMARD."""
+    return 0 <= size <= MAX_HADAMARD and size != 1 and not size & (size - 1)
 
 
 def hadamard_rows(x: torch.Tensor, size: int) -> torch.Tensor:
