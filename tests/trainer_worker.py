@@ -71,6 +71,9 @@ def main() -> None:
         trainer.train(resume_from_checkpoint=spec.get("resume"))
         result["log"] = [entry for entry in trainer.state.log_history if "loss" in entry]
         result["final_step"] = trainer.state.global_step
+        # as in scripts/train_gpt.py: tear the process group down on every rank together, not at interpreter exit
+        trainer.accelerator.wait_for_everyone()
+        trainer.accelerator.end_training()
     except Exception as error:  # record what the resume did, then fail this rank as the Trainer would
         result["error"] = f"{type(error).__name__}: {error}"
         result["traceback"] = traceback.format_exc()
