@@ -72,20 +72,24 @@ class ErrorFeedback:
     scale per block) per rank for a unit of ``numel`` parameters, for as long as qgZ is on.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, stochastic: bool) -> None:
         self.block_size = block_size
+        self.stochastic = stochastic
         self.residuals: dict[int, kernels.Quantized] = {}
 
-    def compensate(self, stage: int, partial_sums: torch.Tensor) -> None:
+    def reduce_requantize(self, stage: int, payload: torch.Tensor, scales: torch.Tensor, in_bits: int,
+                          out_bits: int, length: int, seed: int) -> kernels.Quantized:
+        """BlockQuantizedPayload.reduce_requantize with the stage's residual added to the fp32 partial sums before
+        requantizing (in the payload's domain: rotated rows stay rotated), and the new residual kept."""
+        partial_sums = kernels.dequant_reduce(payload, scales, bits=in_bits, block_size=self.block_size,
+                                              length=length)
         residual = self.residuals.get(stage)
         if residual is not None and residual.codes.shape == partial_sums.shape:
-            partial_sums += kernels.dequantize(*residual, bits=8, block_size=self.block_size,
-                                               length=partial_sums.shape[-1])
-
-    def remember(self, stage: int, partial_sums: torch.Tensor, sent: kernels.Quantized, bits: int) -> None:
-        residual = partial_sums - kernels.dequantize(*sent, bits=bits, block_size=self.block_size,
-                                                     length=partial_sums.shape[-1])
-        self.residuals[stage] = kernels.quantize(residual, 8, self.block_size)
+            partial_sums += kernels.dequantize(*residual, bits=8, block_size=self.block_size, length=length)
+        sent = kernels.quantize(partial_sums, out_bits, self.block_size, stochastic=self.stochastic, seed=seed)
+        dropped = partial_sums - kernels.dequantize(*sent, bits=out_bits, block_size=self.block_size, length=length)
+        self.residuals[stage] = kernels.quantize(dropped, 8, self.block_size)
+        return sent
 
     def reset(self) -> None:
         self.residuals.clear()
@@ -131,7 +135,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.enabled = enabled  # schedules switch qgZ off and on between steps
         self.hadamard = hadamard
         self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard)
-        self.feedback = ErrorFeedback(block_size) if error_feedback else None
+        self.feedback = ErrorFeedback(block_size, stochastic) if error_feedback else None
         self._calls = itertools.count()
         self._plain = MeteredReduceScatter(meter)
 
@@ -183,8 +187,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
             for s, arrival in enumerate(received):
                 got, got_scales = arrival()
                 if node_size > 1 and self.feedback is not None:
-                    got, got_scales = self._requantize_with_feedback(s, got, got_scales, first_bits, slice_len,
-                                                                     seed + 1 + s)
+                    got, got_scales = self.feedback.reduce_requantize(s, got, got_scales, first_bits, self.inter_bits,
+                                                                      slice_len, seed + 1 + s)
                 elif node_size > 1:
                     got, got_scales = self.payload.reduce_requantize(got, got_scales, first_bits, self.inter_bits,
                                                                      slice_len, seed + 1 + s)
@@ -199,16 +203,6 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         if not exact_fit:
             output_tensor.copy_(result.reshape(-1)[:shard_numel])
         return None
-
-    def _requantize_with_feedback(self, stage: int, got: torch.Tensor, got_scales: torch.Tensor, bits: int,
-                                  slice_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """dequant_reduce_quant with the stage's residual added to the fp32 partial sums before requantizing (in the
-        payload's domain: rotated rows stay rotated)."""
-        partial_sums = kernels.dequant_reduce(got, got_scales, bits=bits, block_size=self.block_size, length=slice_len)
-        self.feedback.compensate(stage, partial_sums)
-        sent = kernels.quantize(partial_sums, self.inter_bits, self.block_size, stochastic=self.stochastic, seed=seed)
-        self.feedback.remember(stage, partial_sums, sent, self.inter_bits)
-        return sent
 
     def _record_error(self, chunks: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
                       slice_len: int) -> None:

@@ -34,14 +34,14 @@ STAGE_CONFIGS = {
     "stage 2": {"stage": 2},
     "stage 3": {"stage": 3},
 }
+ZEROPP = {"quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True}
 ZEROPP_CONFIGS = {
     "ZeRO-3": {},
     "+qwZ": {"quantized_weights": True},
     "+hpZ": {"hpz_partition_size": "node"},
     "+qgZ": {"quantized_gradients": True},
-    "ZeRO++ (all three)": {"quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True},
+    "ZeRO++ (all three)": ZEROPP,
 }
-ZEROPP = {"quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True}
 QGZ_OPTION_CONFIGS = {
     "ZeRO++": ZEROPP,
     "+ Hadamard 64": {**ZEROPP, "gradient_hadamard": 64},

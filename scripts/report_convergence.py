@@ -58,12 +58,10 @@ def load_runs(folders: list[Path]) -> dict[str, dict[int, dict]]:
     return dict(runs)
 
 
-def _mean_spread(values: list[float], digits: int, suffix: str = "") -> str:
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:+.{digits}f}{suffix}" if suffix else f"{mean:.{digits}f}"
-    spread = statistics.stdev(values)
-    return f"{mean:+.{digits}f} ± {spread:.{digits}f}{suffix}" if suffix else f"{mean:.{digits}f} ± {spread:.{digits}f}"
+def _mean_spread(values: list[float], digits: int, signed: bool = False) -> str:
+    """mean ± sample standard deviation (the mean alone for one value)."""
+    mean = f"{statistics.fmean(values):{'+' if signed else ''}.{digits}f}"
+    return mean if len(values) == 1 else f"{mean} ± {statistics.stdev(values):.{digits}f}"
 
 
 def table(runs: dict[str, dict[int, dict]], baseline: str) -> str:
@@ -77,7 +75,7 @@ def table(runs: dict[str, dict[int, dict]], baseline: str) -> str:
         seeds = sorted(by_seed)
         paired = [s for s in seeds if s in base]
         gaps = [(by_seed[s]["final"] - base[s]["final"]) / base[s]["final"] * 100 for s in paired]
-        gap_text = _mean_spread(gaps, 2, " %") if gaps else "no paired baseline"
+        gap_text = _mean_spread(gaps, 2, signed=True) + " %" if gaps else "no paired baseline"
         per_seed = ", ".join(f"{gap:+.2f}" for gap in gaps) if len(gaps) > 1 else "—"
         paper = PAPER_TABLE5.get(name)
         paper_text = f"{paper:.4f} ({(paper - PAPER_TABLE5['zero3']) / PAPER_TABLE5['zero3'] * 100:+.2f} %)" \
