@@ -91,6 +91,7 @@ class ZeroPPConfig:
     gradient_block_size: int | None = None
     gradient_hadamard: int = 0
     gradient_error_feedback: bool = False
+    gradient_full_precision_1d: bool = True
     quantize_hpz_gather: bool = False
     qgz_pipeline_stages: int = 1
     stochastic_rounding: bool = False

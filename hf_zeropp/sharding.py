@@ -197,7 +197,7 @@ def _install_comms(model: nn.Module, state: ZeroPPState) -> None:
         if state.config.stage == 0:
             module.set_all_reduce_hook(_allreduce_meter(state.meter, state.topology))
             continue
-        all_gather, reduce_scatter = make_all_gather(state), make_reduce_scatter(state)
+        all_gather, reduce_scatter = make_all_gather(state), make_reduce_scatter(state, module)
         module.set_custom_all_gather(all_gather)
         module.set_custom_reduce_scatter(reduce_scatter)
         state.all_gathers.append(all_gather)

@@ -44,6 +44,7 @@ ZEROPP_CONFIGS = {
 }
 QGZ_OPTION_CONFIGS = {
     "ZeRO++": ZEROPP,
+    "1-D parameters quantized too": {**ZEROPP, "gradient_full_precision_1d": False},
     "+ Hadamard 64": {**ZEROPP, "gradient_hadamard": 64},
     "+ stochastic rounding": {**ZEROPP, "stochastic_rounding": True},
     "+ 8-bit intra-node hop": {**ZEROPP, "gradient_intra_bits": 8},
@@ -52,7 +53,7 @@ QGZ_OPTION_CONFIGS = {
                                       "gradient_intra_bits": 8},
 }
 COLUMNS = {"forward all-gather": ("fwd_allgather",), "backward all-gather": ("bwd_allgather",),
-           "gradient reduction": ("grad_reduce_scatter", "qgz_intra", "qgz_inter")}
+           "gradient reduction": ("grad_reduce_scatter", "qgz_1d_full_precision", "qgz_intra", "qgz_inter")}
 
 
 def _measure(configs: dict[str, dict]) -> dict:

@@ -172,12 +172,12 @@ def _schedule_run():
 def test_techniques_switch_on_and_off_between_steps():
     phases = run_distributed(_schedule_run, 4, node_size=2)[0]
     all_on, all_off, qgz_only, all_again = phases[:4]
-    assert all_on["kinds"] == ["bwd_allgather", "fwd_allgather", "qgz_inter", "qgz_intra"]
+    assert all_on["kinds"] == ["bwd_allgather", "fwd_allgather", "qgz_1d_full_precision", "qgz_inter", "qgz_intra"]
     assert all_on["bwd_inter"] == 0
     assert all_off["active"] == {"quantized_weights": False, "hpz": False, "quantized_gradients": False}
     assert all_off["kinds"] == ["bwd_allgather", "fwd_allgather", "grad_reduce_scatter"]
     assert all_off["bwd_inter"] > 0 and "qwZ" not in all_off["fwd"]
-    assert qgz_only["kinds"] == ["bwd_allgather", "fwd_allgather", "qgz_inter", "qgz_intra"]
+    assert qgz_only["kinds"] == ["bwd_allgather", "fwd_allgather", "qgz_1d_full_precision", "qgz_inter", "qgz_intra"]
     assert all_again["active"] == {"quantized_weights": True, "hpz": True, "quantized_gradients": True}
     assert all_again["bwd_inter"] == 0 and "qwZ" in all_again["fwd"]
     assert phases[4]["bwd_inter"] > 0  # switched off after an evaluation forward: backward crosses nodes again
@@ -198,3 +198,66 @@ def test_hpz_with_gradient_accumulation_regathers_across_nodes_each_micro_batch(
 
 def _single_step_run():
     return _train({"zeropp": ZEROPP}, 2)["zeropp"]["step_stats"]
+
+
+def _one_backward_gradients(unused_parameter: bool):
+    """Full gradients of one backward of a tiny GPT-2 under ZeRO-3, qgZ, and qgZ with 1-D parameters in full
+    precision; with ``unused_parameter`` block 1 carries a parameter that gets no gradient."""
+    import hf_zeropp
+    from tiny_models import local_batch, tiny_gpt2
+
+    out = {}
+    for name, options in {"zero3": {"stage": 3},
+                          "qgz": {"stage": 3, "quantized_gradients": True, "gradient_full_precision_1d": False},
+                          "qgz_1d": {"stage": 3, "quantized_gradients": True}}.items():
+        model = tiny_gpt2(n_embd=64)
+        if unused_parameter:
+            model.transformer.h[1].register_parameter("unused", torch.nn.Parameter(torch.zeros(5)))
+        hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**options))
+        ids = local_batch(0, size=24)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[name] = (grads, hf_zeropp.comm_stats(model))
+    return out
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_full_precision_1d_sends_biases_and_norms_exactly(world):
+    """DeepSpeed parity: with ``gradient_full_precision_1d`` (the default) every 1-D parameter's gradient equals ZeRO-3's (fp32
+    summation-order noise only), matrices stay INT4-quantized, and the extra bytes are the 1-D shards in fp32.
+    World 6 pads 64-element vectors to 66 (11 per rank)."""
+    from tiny_models import relative_error
+
+    ranks = run_distributed(_one_backward_gradients, world, False, node_size=2)
+    exact, _ = ranks[0]["zero3"]
+    quantized, _ = ranks[0]["qgz"]
+    vectors, stats = ranks[0]["qgz_1d"]
+    one_d = [n for n, g in exact.items() if g.dim() == 1]
+    assert len(one_d) == 2 + 2 * 8  # ln_f, and per block ln_1 and ln_2 (weight, bias) and 4 linear biases
+    for name in one_d:
+        assert relative_error(vectors[name], exact[name]) <= 1e-6, name
+    # what the option fixes: quantized with the matrices in 256-blocks, ln_2's gradient rounds to zero entirely
+    assert relative_error(quantized["transformer.h.0.ln_2.weight"], exact["transformer.h.0.ln_2.weight"]) > 0.9
+    for name in exact.keys() - set(one_d):  # matrices: still INT4 (one step's error ~ 20 %)
+        assert 0.05 < relative_error(vectors[name], exact[name]) < 0.3, name
+    per_rank = sum(-(-exact[n].numel() // world) for n in one_d)
+    for rank_result in ranks:
+        sent = rank_result["qgz_1d"][1]["qgz_1d_full_precision"]
+        assert sent["intra_node"] + sent["inter_node"] == per_rank * 4 * (world - 1), sent
+        assert sent["inter_node"] == per_rank * 4 * (world - 2)  # node_size 2: one peer inside the node
+        assert rank_result["qgz_1d"][1]["qgz_inter"] == rank_result["qgz"][1]["qgz_inter"]
+
+
+def test_full_precision_1d_falls_back_to_quantizing_a_unit_with_an_unused_parameter():
+    """A parameter without a gradient changes FSDP2's buffer layout: that unit's 1-D slices are quantized with the
+    rest (and the meter says so), every other unit's are still exact."""
+    from tiny_models import relative_error
+
+    result = run_distributed(_one_backward_gradients, 4, True, node_size=2)[0]
+    exact, _ = result["zero3"]
+    vectors, stats = result["qgz_1d"]
+    assert "GPT2Block" in stats["implementations"]["qgz_1d_fallback"]
+    for name, grad in exact.items():
+        if grad.dim() == 1:
+            error = relative_error(vectors[name], exact[name])
+            assert (error > 1e-4) if name.startswith("transformer.h.1.") else (error <= 1e-6), (name, error)
