@@ -112,15 +112,17 @@ class MeteredAllGather(_PlainAlloc, AllGather):
 
 
 class MeteredReduceScatter(_PlainAlloc, ReduceScatter):
-    """FSDP2's reduce-scatter as a SUM (FSDP divides by the world size afterwards), with its bytes counted."""
+    """FSDP2's reduce-scatter as a SUM (FSDP divides by the world size afterwards), with its bytes counted under
+    ``kind``."""
 
-    def __init__(self, meter: CommMeter) -> None:
+    def __init__(self, meter: CommMeter, kind: str = "grad_reduce_scatter") -> None:
         self.meter = meter
+        self.kind = kind
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
         check_sum(op)
-        self.meter.record("grad_reduce_scatter", group, nbytes(output_tensor), f"reduce_scatter {input_tensor.dtype}")
+        self.meter.record(self.kind, group, nbytes(output_tensor), f"reduce_scatter {input_tensor.dtype}")
         return reduce_scatter_single(output_tensor, input_tensor, group=group, op=dist.ReduceOp.SUM, async_op=async_op)
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import kernels
-from .comm_meter import CommMeter, MeteredReduceScatter, _PlainAlloc, check_sum, nbytes, reduce_scatter_single
+from .comm_meter import CommMeter, MeteredReduceScatter, _PlainAlloc, check_sum, nbytes
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -168,6 +168,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.vector_slices = vector_slices
         self._calls = itertools.count()
         self._plain = MeteredReduceScatter(meter)
+        self._plain_vectors = MeteredReduceScatter(meter, "qgz_1d_full_precision")
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
@@ -255,9 +256,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
             return None
         vectors = chunks[:, positions].contiguous()
         reduced = vectors.new_empty(positions.numel())
-        work = reduce_scatter_single(reduced, vectors.view(-1), group=group, op=dist.ReduceOp.SUM, async_op=True)
-        self.meter.record("qgz_1d_full_precision", group, nbytes(reduced),
-                          f"reduce_scatter {vectors.dtype} of the 1-D parameters' slices (biases, norm gains)")
+        work = self._plain_vectors(reduced, vectors.view(-1), group, dist.ReduceOp.SUM, async_op=True)
         chunks[:, positions] = 0
         return positions, reduced, work
 
