@@ -24,8 +24,8 @@ from torch import nn
 
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from .config import PRESETS, ZeroPPConfig
+from .sharding import clip_grad_norm_, rebind_optimizer, shard_model
 from .sharding import no_sync as zeropp_no_sync
-from .sharding import shard_model
 
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
@@ -101,7 +101,7 @@ class Accelerator(accelerate.Accelerator):
                     f"mixed_precision={config.mixed_precision!r}; set one of them"
                 )
         self.zeropp_config = config
-        self._zeropp_optimizers: dict[int, Any] = {}  # id(model) -> its (wrapped) optimizer
+        self._evaluation_models: set[int] = set()  # ids of models sharded by prepare_model(evaluation_mode=True)
         if config.mixed_precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -116,46 +116,46 @@ class Accelerator(accelerate.Accelerator):
     # ------------------------------------------------------------------ prepare
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        models = [a for a in args if isinstance(a, nn.Module)]
-        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-        for model in models:
-            if is_sharded(model) or getattr(model, "_is_accelerate_prepared", False):
+        """Accelerate's ``prepare``, with every model sharded by hf_zeropp instead of wrapped in DDP.
+
+        Optimizers built on a model's parameters before the model was prepared — in the same call or in an earlier
+        or later one — are pointed at the shards that replaced them (frozen weights stored INT8 are dropped)."""
+        for model in (a for a in args if isinstance(a, nn.Module)):
+            if getattr(model, "_is_accelerate_prepared", False) or (
+                    is_sharded(model) and id(model) not in self._evaluation_models):
                 raise ValueError(
                     f"{type(model).__name__} was already prepared by this or another Accelerator; prepare each "
                     f"model once (pass the returned objects on)"
                 )
-        if self.shards_models:
-            for model in models:
-                self._shard_and_rebind(model, optimizers)
-        result = super().prepare(*args, device_placement=device_placement)
-        prepared = result if isinstance(result, tuple) else (result,)
-        wrapped = [p for p in prepared if isinstance(p, accelerate.optimizer.AcceleratedOptimizer)]
-        for model in models:
-            if is_sharded(model) and wrapped:
-                self._zeropp_optimizers[id(model)] = _optimizer_of(model, wrapped)
-        return result
-
-    def _shard_and_rebind(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Shard ``model`` and point the optimizers built on its full parameters at the new sharded ones."""
-        before = dict(model.named_parameters())
-        for optimizer in optimizers:
-            if optimizer.state:
-                raise ValueError("prepare the optimizer before it takes a step: its state cannot be re-sharded")
-        shard_model(model, self.zeropp_config, device=self.device)
-        after = dict(model.named_parameters())
-        mapping = {id(before[name]): after[name] for name in before if name in after}
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+            if self.shards_models and not is_sharded(model):
+                shard_model(model, self.zeropp_config, device=self.device)
+            self._evaluation_models.discard(id(model))
+        for optimizer in (a for a in args if isinstance(a, torch.optim.Optimizer)):
+            rebind_optimizer(optimizer)
+        return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
+        """Sharded models skip DDP and autocast (FSDP's mixed-precision policy casts). A model prepared for
+        evaluation only (TRL's reference and reward models) is sharded too — each rank holds 1/N of it, not a full
+        copy — and, if :attr:`freezes_for_evaluation` says so, frozen first so that ``quantized_nontrainable_weights``
+        stores it INT8. It can still be prepared for training later."""
+        if evaluation_mode and self.shards_models and not is_sharded(model) and self.zeropp_config.stage > 0:
+            if self.freezes_for_evaluation(model):
+                model.requires_grad_(False)
+            shard_model(model, self.zeropp_config, device=self.device)
+            self._evaluation_models.add(id(model))
         if not is_sharded(model):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        # already sharded: no DDP, no autocast (FSDP's mixed-precision policy casts), no device move
         if model not in self._models:
             self._models.append(model)
         return model
+
+    def freezes_for_evaluation(self, model: nn.Module) -> bool:
+        """Whether a model prepared with ``evaluation_mode=True`` is frozen before it is sharded. False: a model the
+        script evaluates may still be trained later. The Trainer mixin answers True for every model but the one
+        being trained (reference and reward models)."""
+        return False
 
     # ------------------------------------------------------------------ training step
 
@@ -173,8 +173,7 @@ class Accelerator(accelerate.Accelerator):
         if not any(is_sharded(m) for m in self._models):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         self.unscale_gradients()
-        norm = self._clip_grad_norm_dtensor_aware(parameters, max_norm, norm_type=norm_type)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return clip_grad_norm_(parameters, max_norm, norm_type)
 
     # ------------------------------------------------------------------ state
 
@@ -193,24 +192,41 @@ class Accelerator(accelerate.Accelerator):
         save_pretrained(model, save_directory, max_shard_size=max_shard_size)
 
     @contextlib.contextmanager
-    def _without_sharded(self) -> Iterator[list[tuple[int, nn.Module, Any]]]:
-        """Hide sharded models and their optimizers from Accelerate's own (rank-0, unsharded) save/load."""
-        sharded = [(i, m, self._zeropp_optimizers.get(id(m))) for i, m in enumerate(self._models) if is_sharded(m)]
-        models, optimizers = self._models, self._optimizers
-        hidden = {id(o) for _, _, o in sharded if o is not None}
+    def _without_sharded(self) -> Iterator[list[tuple[int, nn.Module, list[torch.optim.Optimizer]]]]:
+        """Hide sharded models and their optimizers from Accelerate's own (rank-0, unsharded) save/load.
+
+        A model's optimizers are looked up now, not at prepare time, so that every prepare order finds them."""
+        optimizers = [(wrapped, _unwrap_optimizer(wrapped)) for wrapped in self._optimizers]
+        sharded = []
+        hidden: set[int] = set()
+        for index, model in enumerate(self._models):
+            if not is_sharded(model):
+                continue
+            params = {id(p) for p in model.parameters()}
+            own = [(w, o) for w, o in optimizers
+                   if any(id(p) in params for group in o.param_groups for p in group["params"])]
+            for _, optimizer in own:
+                if not all(id(p) in params for group in optimizer.param_groups for p in group["params"]):
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds parameters of {type(model).__name__} and of other models; "
+                        f"save_state/load_state need one optimizer per sharded model (pass each model's parameters "
+                        f"to its own optimizer)")
+            sharded.append((index, model, [o for _, o in own]))
+            hidden.update(id(w) for w, _ in own)
+        models, all_optimizers = self._models, self._optimizers
         self._models = [m for m in models if not is_sharded(m)]
-        self._optimizers = [o for o in optimizers if id(o) not in hidden]
+        self._optimizers = [o for o in all_optimizers if id(o) not in hidden]
         try:
             yield sharded
         finally:
-            self._models, self._optimizers = models, optimizers
+            self._models, self._optimizers = models, all_optimizers
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         with self._without_sharded() as sharded:
             def save_shards(models, weights, directory):
-                for index, model, optimizer in sharded:
-                    save_checkpoint(Path(directory) / f"zeropp_model_{index}", model,
-                                    _unwrap_optimizer(optimizer), step=self.step)
+                for index, model, optimizers in sharded:
+                    save_checkpoint(Path(directory) / f"zeropp_model_{index}", model, optimizers or None,
+                                    step=self.step)
 
             handle = self.register_save_state_pre_hook(save_shards)
             try:
@@ -221,8 +237,8 @@ class Accelerator(accelerate.Accelerator):
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         with self._without_sharded() as sharded:
             def load_shards(models, directory):
-                for index, model, optimizer in sharded:
-                    load_checkpoint(Path(directory) / f"zeropp_model_{index}", model, _unwrap_optimizer(optimizer))
+                for index, model, optimizers in sharded:
+                    load_checkpoint(Path(directory) / f"zeropp_model_{index}", model, optimizers or None)
 
             handle = self.register_load_state_pre_hook(load_shards)
             try:
@@ -236,10 +252,3 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
         optimizer = optimizer.optimizer
     return optimizer
 
-
-def _optimizer_of(model: nn.Module, wrapped: list[Any]) -> Any:
-    params = {id(p) for p in model.parameters()}
-    for optimizer in wrapped:
-        if any(id(p) in params for group in _unwrap_optimizer(optimizer).param_groups for p in group["params"]):
-            return optimizer
-    return None

@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .full_state import consolidated_state_dict
 from .hpz import reshard_all
 
 META_FILE = "zeropp_meta.json"
@@ -305,13 +305,14 @@ def latest_trainer_checkpoint(output_dir: str | os.PathLike, prefix: str = "chec
 
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: Any) -> Path:
-    """Consolidate the sharded model and write a ``from_pretrained``-loadable folder (collective).
+    """Consolidate the sharded model and write a ``from_pretrained``-loadable folder, atomically (collective).
 
     Rank 0 writes safetensors through the model's own ``save_pretrained``, so tied weights, sharded index files
     and the config are exactly what transformers writes; the folder loads without hf_zeropp installed.
     """
     directory = Path(directory)
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    zeropp = getattr(model, "_zeropp", None)
+    full_state = consolidated_state_dict(model, zeropp.topology.control_group if zeropp is not None else None)
     partial = _begin(directory)
     if _rank() == 0:
         if not hasattr(model, "save_pretrained"):

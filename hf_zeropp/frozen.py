@@ -34,24 +34,30 @@ class FrozenInt8Weight:
 
     def __init__(self, weight: torch.Tensor, topology: Topology, meter: CommMeter, bits: int,
                  block_size: int) -> None:
-        self.shape, self.dtype, self.numel = weight.shape, weight.dtype, weight.numel()
+        self.shape, self.dtype, self.numel, self.device = weight.shape, weight.dtype, weight.numel(), weight.device
         self.topology, self.meter, self.bits, self.block_size = topology, meter, bits, block_size
-        world = topology.world_size
-        self.shard_numel = -(-self.numel // world)
-        rows = torch.zeros(world * self.shard_numel, dtype=weight.dtype, device=weight.device)
-        rows[: self.numel] = weight.detach().reshape(-1)
-        # every rank holds the full weight now, so all shards' codes are computed locally: no communication
-        codes, scales = kernels.quantize(rows.view(world, self.shard_numel), bits, block_size)
+        self.shard_numel = -(-self.numel // topology.world_size)
         hpz = topology.hpz_mesh
         if hpz is not None:  # this rank's 1/k slice of the node's copy: every later gather stays in the node
             self.group = hpz.get_group(1)
-            position, size = dist.get_rank(self.group), topology.hpz_size
+            self._position, self._parts = dist.get_rank(self.group), topology.hpz_size
         else:  # this rank's 1/N shard, gathered over the world
             self.group = topology.world_mesh.get_group()
-            position, size = topology.rank, world
-        self.codes = codes.view(size, -1)[position].clone()
-        self.scales = scales.view(size, -1)[position].clone()
+            self._position, self._parts = topology.rank, topology.world_size
         self.uses_hpz = hpz is not None
+        self.load_(weight)
+
+    def load_(self, weight: torch.Tensor) -> None:
+        """Quantize this rank's part from the full ``weight`` (the same tensor on every rank; no communication)."""
+        if tuple(weight.shape) != tuple(self.shape):
+            raise ValueError(f"a frozen INT8 weight of shape {tuple(self.shape)} cannot load a tensor of shape "
+                             f"{tuple(weight.shape)}")
+        world = self.topology.world_size
+        rows = torch.zeros(world * self.shard_numel, dtype=self.dtype, device=self.device)
+        rows[: self.numel] = weight.detach().reshape(-1).to(rows.device, self.dtype)
+        codes, scales = kernels.quantize(rows.view(world, self.shard_numel), self.bits, self.block_size)
+        self.codes = codes.view(self._parts, -1)[self._position].clone()
+        self.scales = scales.view(self._parts, -1)[self._position].clone()
 
     def stored_bytes(self) -> int:
         return nbytes(self.codes) + nbytes(self.scales)
@@ -144,7 +150,13 @@ def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMet
     return converted
 
 
+def frozen_stores(model: nn.Module) -> dict[str, FrozenInt8Weight]:
+    """The INT8 stores of ``model`` by the state-dict name of the weight each replaced (tied weights: every name)."""
+    return {f"{name}.weight" if name else "weight": module._zeropp_frozen
+            for name, module in model.named_modules() if hasattr(module, "_zeropp_frozen")}
+
+
 def frozen_weight_bytes(model: nn.Module) -> int:
     """Bytes this rank holds for INT8-stored frozen weights (shards, scales and hpZ copies)."""
-    stores = {id(m._zeropp_frozen): m._zeropp_frozen for m in model.modules() if hasattr(m, "_zeropp_frozen")}
+    stores = {id(store): store for store in frozen_stores(model).values()}
     return sum(store.stored_bytes() for store in stores.values())

@@ -15,7 +15,9 @@ DeepSpeed):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import kernels
 from .comm_meter import CommMeter
 from .config import ResolvedConfig, ZeroPPConfig
 from .frozen import quantize_frozen_weights
+from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
 from .hpz import set_hpz, shared_hpz_mesh
 from .topology import Topology, get_topology
 
@@ -44,7 +48,6 @@ class ZeroPPState:
     topology: Topology
     meter: CommMeter
     units: list[nn.Module]
-    original_class: type
     all_gathers: list = field(default_factory=list)
     reduce_scatters: list = field(default_factory=list)
     hpz_enabled: bool = False
@@ -74,9 +77,11 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
         kernels.set_default_backend(config.kernel_backend)  # validated by the config
 
     topology = get_topology(resolved, device.type)
-    _ = topology.world_mesh, topology.node_mesh, topology.hpz_mesh  # all ranks build every group now, in order
+    # all ranks build every group now, in order
+    _ = topology.world_mesh, topology.node_mesh, topology.hpz_mesh, topology.control_group
     meter = CommMeter(topology)
     original_class = type(model)
+    before = dict(model.named_parameters())
     if device.type != "cpu" or any(p.device.type != device.type for p in model.parameters()):
         model.to(device)
     if config.quantized_nontrainable_weights:
@@ -105,14 +110,141 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     if callable(getattr(model, "generate", None)):
         # generate() calls forward without the root module's __call__: let FSDP gather the root's weights for it
         register_fsdp_forward_method(model, "generate")
-    # FSDP2 renames the class (FSDPGPT2LMHeadModel); keep the real name so that save_pretrained writes a config
-    # (``architectures``) that plain transformers loads
-    type(model).__name__, type(model).__qualname__ = original_class.__name__, original_class.__qualname__
-    state = ZeroPPState(config, resolved, topology, meter, units, original_class,
+    model.__class__ = _zeropp_class(type(model), original_class)
+    _remember_replaced_parameters(before, dict(model.named_parameters()))
+    state = ZeroPPState(config, resolved, topology, meter, units,
                         hpz_enabled=config.stage == 3 and resolved.hpz_size > 1)
     _install_comms(model, state)
     model._zeropp = state
     return model
+
+
+class ZeroPPModule:
+    """Put in front of FSDP2's ``FSDP<Name>`` class of every model that :func:`shard_model` returns, so that the stock
+    calls users make on a model keep their meaning under sharding (both are collectives: call them on every rank):
+
+    * ``load_state_dict`` with full tensors (a ``from_pretrained`` file, the Trainer's ``load_best_model_at_end``,
+      peft's ``load_adapter``) loads them into the shards; a sharded (DTensor) state dict loads as in FSDP2;
+    * ``save_pretrained`` without a ``state_dict``, or with a sharded one, writes the consolidated model from rank 0,
+      loadable by plain transformers, and returns on every rank once it is written. Only rank 0 writes, also when
+      given a full state dict: it alone holds the consolidated copy (``get_state_dict`` is empty elsewhere).
+    """
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if is_loading_full_state(self) or holds_dtensors(state_dict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        return load_full_state_dict(self, state_dict, strict, zeropp_state(self).topology.control_group)
+
+    def save_pretrained(self, save_directory, *args: Any, **kwargs: Any):
+        base = super().save_pretrained
+        named = _named_arguments(base, save_directory, *args, **kwargs)
+        state_dict = named.get("state_dict")
+        control_group = zeropp_state(self).topology.control_group
+        collective = state_dict is None or holds_dtensors(state_dict)
+        if state_dict is None:
+            state_dict = consolidated_state_dict(self, control_group)
+        elif holds_dtensors(state_dict):
+            state_dict = consolidate(state_dict)
+        result = base(**{**named, "state_dict": state_dict}) if dist.get_rank() == 0 else None
+        if collective:  # every rank returns once the files exist, as when each wrote them (stock DDP)
+            dist.barrier(group=control_group)
+        return result
+
+
+_ZEROPP_CLASSES: dict[type, type] = {}
+
+
+def _zeropp_class(fsdp_class: type, original_class: type) -> type:
+    """``ZeroPPModule`` + FSDP2's class, named as the original (``save_pretrained`` records the class name as the
+    model's architecture, which plain transformers must find)."""
+    if fsdp_class not in _ZEROPP_CLASSES:
+        _ZEROPP_CLASSES[fsdp_class] = type(original_class.__name__, (ZeroPPModule, fsdp_class),
+                                           {"__module__": original_class.__module__,
+                                            "__qualname__": original_class.__qualname__})
+    return _ZEROPP_CLASSES[fsdp_class]
+
+
+def _named_arguments(method, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """A call's arguments by parameter name, those that went through ``**kwargs`` included."""
+    signature = inspect.signature(method)
+    named = dict(signature.bind(*args, **kwargs).arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(parameter.name, {}))
+    return named
+
+
+# id(parameter before sharding) -> (weak reference to it, weak reference to the shard that replaced it, or None for
+# a frozen weight now stored INT8): lets an optimizer built before sharding be pointed at the shards, and lets the
+# optimizer-step guard below recognise one that was not.
+_replaced: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
+
+
+def _remember_replaced_parameters(before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:
+    for name, old in before.items():
+        new = after.get(name)
+        if new is old:
+            continue
+        key = id(old)
+        _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)),
+                          weakref.ref(new) if new is not None else None)
+    if _replaced:
+        _install_optimizer_guard()
+
+
+def _replacement(param: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """(whether shard_model replaced ``param``, its replacement or None for a frozen weight stored INT8)."""
+    entry = _replaced.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return False, None
+    return True, entry[1]() if entry[1] is not None else None
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Point an optimizer built on a model's parameters *before* :func:`shard_model` at the shards that replaced them,
+    and drop the frozen weights now stored INT8 (they need no optimizer slot, and holding them would keep the full
+    weights alive). Raises if the optimizer has already stepped: its state cannot be re-sharded."""
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            replaced, new = _replacement(param)
+            if not replaced:
+                params.append(param)
+                continue
+            if optimizer.state.get(param):
+                raise ValueError("the optimizer has already taken a step on the unsharded model: its state cannot be "
+                                 "re-sharded; build or prepare the optimizer before its first step")
+            if new is not None:
+                params.append(new)
+        group["params"] = params
+
+
+_guard_installed = False
+
+
+def _install_optimizer_guard() -> None:
+    """Fail an optimizer step that would update parameters shard_model has replaced: they receive no gradients any
+    more, so the step would silently train nothing (DDP keeps the parameters; FSDP2 and hf_zeropp do not)."""
+    global _guard_installed
+    if _guard_installed:
+        return
+
+    def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not _replaced:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                replaced, new = _replacement(param)
+                if replaced and new is not None:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} holds parameters from before hf_zeropp sharded the model; they "
+                        f"no longer receive gradients, so this step would train nothing. Build the optimizer after "
+                        f"shard_model on model.parameters(), or pass it to accelerator.prepare (together with the "
+                        f"model or in a later call), which points it at the shards"
+                    )
+
+    register_optimizer_step_pre_hook(check)
+    _guard_installed = True
 
 
 def _as_config(config: ZeroPPConfig | str | os.PathLike | None) -> ZeroPPConfig:
@@ -284,25 +416,54 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             root.set_reshard_after_backward(True)
 
 
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for sharded models: the norm of the full gradients (each rank's shards'
+    norms combined over the ranks, per device mesh), returned as a plain tensor equal on every rank (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(param)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    for mesh, group in by_mesh.items():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, DTensor.from_local(total, mesh) if mesh is not None else total)
+    return total
+
+
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+    """Bytes this rank holds at rest: parameter shards (INT8-stored frozen weights included), gradients and optimizer
+    state. Gathered weights held beyond the shards are :func:`gathered_parameter_bytes`."""
+    from .frozen import frozen_weight_bytes
 
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
-    params = [local(p) for p in model.parameters()]
+    def size(t: torch.Tensor) -> int:
+        return local(t).numel() * local(t).element_size()
+
+    # FSDP's world-sharded parameters: between a forward and its backward (or after a no-grad forward) a unit's
+    # registered parameters are its gathered or hpZ-sharded ones instead
+    fsdp_params = [param for module in fsdp_modules(model) for group in module._get_fsdp_state()._fsdp_param_groups
+                   for param in group.fsdp_params]
+    shards = [param.sharded_param for param in fsdp_params] if fsdp_params else list(model.parameters())
     result = {
-        "parameters": sum(t.numel() * t.element_size() for t in params),
-        "gradients": sum(local(p.grad).numel() * local(p.grad).element_size()
-                         for p in model.parameters() if p.grad is not None),
+        "parameters": sum(size(t) for t in shards) + frozen_weight_bytes(model),
+        "gradients": sum(size(t.grad) for t in shards if t.grad is not None),
         "optimizer_state": 0,
     }
     if optimizer is not None:
         for per_param in optimizer.state.values():
             for value in per_param.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    value = local(value)
-                    result["optimizer_state"] += value.numel() * value.element_size()
+                    result["optimizer_state"] += size(value)
     return result
 
 
@@ -323,5 +484,5 @@ def gathered_parameter_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["active_techniques", "comm_stats", "fsdp_modules", "gathered_parameter_bytes", "no_sync",
-           "set_techniques", "shard_model", "state_bytes", "zeropp_state"]
+__all__ = ["active_techniques", "clip_grad_norm_", "comm_stats", "fsdp_modules", "gathered_parameter_bytes", "no_sync",
+           "rebind_optimizer", "set_techniques", "shard_model", "state_bytes", "zeropp_state"]

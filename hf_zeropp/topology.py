@@ -68,6 +68,12 @@ class Topology:
             return self.node_mesh
         return _mesh(self.device_type, (self.world_size // self.hpz_size, self.hpz_size), ("hpz_replica", "hpz"))
 
+    @functools.cached_property
+    def control_group(self) -> dist.ProcessGroup:
+        """A gloo group of the whole world used only for ``monitored_barrier``: it tells which ranks did not join a
+        collective (a save called on rank 0 alone) without mixing its messages with the training collectives."""
+        return dist.new_group(backend="gloo", timeout=_world_timeout(self.device_type))
+
     def peers_on_my_node(self, group: dist.ProcessGroup) -> tuple[int, int]:
         """(peers on this node, peers on other nodes) of ``group``, this rank excluded."""
         return _peer_split(self.node_size, self.rank, tuple(dist.get_process_group_ranks(group)))

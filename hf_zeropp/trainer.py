@@ -134,8 +134,14 @@ class ZeroPPTrainerMixin:
             super().create_accelerator_and_postprocess()
         finally:
             trainer_module.Accelerator = original
+        # TRL prepares reference and reward models with evaluation_mode=True: frozen, they can be stored INT8
+        self.accelerator.freezes_for_evaluation = self._is_auxiliary_model
         schedule = {key: getattr(config, key) for key in _SCHEDULED if getattr(config, key) is not None}
         self.zeropp_callback = ZeroPPCallback(schedule)
+
+    def _is_auxiliary_model(self, model: Any) -> bool:
+        """A model this trainer evaluates but does not train (TRL's reference and reward models)."""
+        return model is not getattr(self, "model", None) and model is not getattr(self, "model_wrapped", None)
 
     def _zeropp_sharded(self) -> bool:
         return is_sharded(self.model)
@@ -162,7 +168,10 @@ class ZeroPPTrainerMixin:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.accelerator.get_state_dict(self.model)
-        self._save(output_dir, state_dict=state_dict)
+        self._save(output_dir, state_dict=state_dict)  # writes on rank 0 only (the model's save_pretrained)
+        # every rank returns once the folder is complete: the Trainer checks for it right after (transformers
+        # 4.56 records the best checkpoint only if its folder exists on this rank)
+        self.accelerator.wait_for_everyone()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._zeropp_sharded():

@@ -16,7 +16,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   :  # keep whatever torch is there (CPU or CUDA)
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  "${PIP[@]}" install "torch>=2.9"
+  "${PIP[@]}" install "torch>=2.13"
 else
   # The CPU build; on PyPI-only machines add: --index-url https://download.pytorch.org/whl/cpu
   "${PIP[@]}" install "torch==2.13.0"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), build the kernels once, and run the whole test suite. `.ci/run` calls this.
+# Set up (scripts/setup.sh), build the kernels once, run the whole test suite, then the minimum-versions lane
+# (scripts/test_min_versions.sh: the declared lowest torch/transformers/accelerate/peft/trl). `.ci/run` calls this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m hf_zeropp.kernels build >/tmp/hf_zeropp_kernel_build.log 2>&1 || {
   cat /tmp/hf_zeropp_kernel_build.log; echo "kernel build failed (see above)"; }
 .venv/bin/python -m hf_zeropp.kernels check
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q "$@"
+bash scripts/test_min_versions.sh
