@@ -260,7 +260,7 @@ def _trainer(mode: str, output_dir: Path):
                    gradient_accumulation_steps=2, learning_rate=1e-2, adam_epsilon=1e-6, max_grad_norm=1.0,
                    eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, logging_steps=1,
                    load_best_model_at_end=True, metric_for_best_model="eval_loss", report_to="none", use_cpu=True,
-                   seed=0)
+                   seed=0, greater_is_better=True)  # "best" = highest loss: an early checkpoint, not the last one
     data = {"train_dataset": _sequences(64, seed=1), "eval_dataset": _sequences(8, seed=2)}
     if mode == "stock":
         return Trainer(model=tiny_gpt2(), args=TrainingArguments(**options), **data)
@@ -284,7 +284,7 @@ def _trainer_summary(trainer, output_dir: Path, first_step: int = 0) -> dict:
     dist.barrier()
     if dist.get_rank() == 0:
         result["reloaded_logits"] = _logits(output_dir / "final")
-        result["best_checkpoint_logits"] = _logits(output_dir / result["best_checkpoint"])
+        result["best_checkpoint_logits"] = _logits(Path(trainer.state.best_model_checkpoint))
     return result
 
 
@@ -343,7 +343,8 @@ def test_trainer_load_best_model_at_end_restores_the_best_checkpoint(trainer_res
     """``load_best_model_at_end=True``: the model train() leaves evaluates exactly as the best checkpoint did."""
     result = trainer_results[mode]
     best_step = int(result["best_checkpoint"].removeprefix("checkpoint-"))
-    assert result["eval_loss"][best_step] == min(result["eval_loss"].values())
+    assert result["eval_loss"][best_step] == max(result["eval_loss"].values())  # greater_is_better=True
+    assert best_step < 6  # the model is rolled back, not left as trained
     assert result["final_eval_loss"] == pytest.approx(result["eval_loss"][best_step], rel=1e-6)
     if mode in EXACT_MODES:
         assert result["best_checkpoint"] == trainer_results["stock"]["best_checkpoint"]
