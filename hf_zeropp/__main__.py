@@ -23,6 +23,7 @@ def _version(package: str) -> str:
 def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
     from . import __version__, kernels
     from .accelerate_integration import as_zeropp_config
+    from .launcher import node_size_from_environment
 
     print(f"hf_zeropp {__version__}, Python {platform.python_version()} on {platform.platform()}")
     for package in ("torch", "transformers", "accelerate", "datasets", "safetensors", "peft", "trl"):
@@ -36,7 +37,8 @@ def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
         print(f"  {device}: {backend}" + (f" (compiled backend failed: {failure.splitlines()[0]})" if failure else ""))
     config = as_zeropp_config(zeropp)
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    local = node_size or (int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+    found = node_size_from_environment()
+    local = node_size or (found[0] if found else world)
     print("config:", {k: v for k, v in config.to_dict().items() if v not in (None, False)})
     try:
         resolved = config.resolve(world, local)
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     env_parser = sub.add_parser("env", help="print versions, kernel backends, topology and resolved config")
     env_parser.add_argument("--zeropp", default=None, help="preset or config file (default: ZEROPP_* environment)")
     env_parser.add_argument("--world", type=int, default=None, help="world size (default: WORLD_SIZE or 1)")
-    env_parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: LOCAL_WORLD_SIZE)")
+    env_parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the launcher's, e.g. LOCAL_WORLD_SIZE)")
     args = parser.parse_args(argv)
     return env(args.zeropp, args.world, args.node_size)
 

@@ -32,7 +32,9 @@ class CommMeter:
         self.topology = topology
         self._bytes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self._errors: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-        self.implementations: dict[str, str] = {}
+        self._implementations: dict[str, list[str]] = collections.defaultdict(list)
+        # requested techniques this launch cannot apply, and why: shown in every window, never reset
+        self.conditions: dict[str, str] = {}
         self.track_errors = False  # quantized comms also measure their own error (costs one extra dequantize)
 
     def record(self, kind: str, group: dist.ProcessGroup, bytes_per_peer: int, implementation: str) -> None:
@@ -42,7 +44,13 @@ class CommMeter:
         counter["intra_node"] += intra_peers * bytes_per_peer
         counter["inter_node"] += inter_peers * bytes_per_peer
         counter["calls"] += 1
-        self.implementations[kind] = implementation
+        self.note(kind, implementation)
+
+    def note(self, kind: str, implementation: str) -> None:
+        """Record that ``kind`` ran as ``implementation`` in this window (each distinct one once, in order)."""
+        seen = self._implementations[kind]
+        if implementation not in seen:
+            seen.append(implementation)
 
     def record_allreduce(self, group: dist.ProcessGroup, buffer_bytes: int, implementation: str) -> None:
         """An all-reduce of ``buffer_bytes``: reduce-scatter plus all-gather, ``2 / g`` of the buffer per peer."""
@@ -52,7 +60,7 @@ class CommMeter:
         counter["intra_node"] += 2 * buffer_bytes * intra_peers // group_size
         counter["inter_node"] += 2 * buffer_bytes * inter_peers // group_size
         counter["calls"] += 1
-        self.implementations["grad_allreduce"] = implementation
+        self.note("grad_allreduce", implementation)
 
     def record_error(self, kind: str, original: torch.Tensor, restored: torch.Tensor) -> None:
         """Accumulate the squared error of a quantize/dequantize round trip of this rank's own data."""
@@ -70,7 +78,8 @@ class CommMeter:
             "intra_node": sum(c["intra_node"] for c in self._bytes.values()),
             "inter_node": sum(c["inter_node"] for c in self._bytes.values()),
         }
-        result["implementations"] = dict(self.implementations)
+        result["implementations"] = {**{kind: list(seen) for kind, seen in self._implementations.items()},
+                                     **{technique: [why] for technique, why in self.conditions.items()}}
         if self._errors:
             # relative L2 error ||x - deq(q(x))|| / ||x|| of what this rank quantized, per collective kind
             result["quantization_error"] = {kind: (err / ref) ** 0.5 if ref > 0 else 0.0
@@ -78,6 +87,7 @@ class CommMeter:
         if reset:
             self._bytes.clear()
             self._errors.clear()
+            self._implementations.clear()
         return result
 
 

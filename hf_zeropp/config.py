@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from .kernels.reference import MAX_HADAMARD, is_rotation_size
+from .launcher import detect_node_size
 
 STAGES = (0, 1, 2, 3)
 BITS = (4, 8)
@@ -75,8 +76,8 @@ class ZeroPPConfig:
     """How a model is sharded and how its collectives communicate.
 
     ``hpz_partition_size`` may be given as ``"node"`` (the ranks of one node) and is resolved at
-    :meth:`resolve`. ``node_size=None`` takes the launcher's ``LOCAL_WORLD_SIZE``; set it to emulate several
-    nodes on one machine.
+    :meth:`resolve`. ``node_size=None`` takes the launcher's ranks per node (or the ranks' host names); set it to
+    emulate several nodes on one machine.
     """
 
     stage: int = 3
@@ -92,6 +93,7 @@ class ZeroPPConfig:
     gradient_hadamard: int = 0
     gradient_error_feedback: bool = False
     gradient_full_precision_1d: bool = True
+    weight_full_precision_1d: bool = True
     quantize_hpz_gather: bool = False
     qgz_pipeline_stages: int = 1
     stochastic_rounding: bool = False
@@ -135,7 +137,7 @@ class ZeroPPConfig:
         if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; use one of {KERNEL_BACKENDS} or None")
         if self.node_size is not None and self.node_size < 1:
-            raise ValueError(f"node_size={self.node_size} must be >= 1 (or None for LOCAL_WORLD_SIZE)")
+            raise ValueError(f"node_size={self.node_size} must be >= 1 (or None to detect it from the launch)")
         if isinstance(self.hpz_partition_size, str) and self.hpz_partition_size != "node":
             raise ValueError(f"hpz_partition_size={self.hpz_partition_size!r} must be an integer or 'node'")
         if isinstance(self.hpz_partition_size, int) and self.hpz_partition_size < 1:
@@ -303,14 +305,21 @@ class ZeroPPConfig:
     # ---------------------------------------------------------------- launch-dependent checks
 
     def resolve(self, world_size: int, local_world_size: int | None = None) -> ResolvedConfig:
-        """Check the config against the launch and fill in ``node_size`` and ``hpz_partition_size``."""
-        if local_world_size is None:
-            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        node_size = self.node_size or local_world_size
+        """Check the config against the launch and fill in ``node_size`` and ``hpz_partition_size``.
+
+        The node size is, in order: ``node_size`` of this config (``ZEROPP_NODE_SIZE``), ``local_world_size`` if
+        given, the launcher's variables (``LOCAL_WORLD_SIZE``, SLURM, Open MPI, MPICH, MVAPICH), or the ranks' host
+        names (a collective; see :mod:`hf_zeropp.launcher`)."""
+        if self.node_size is not None:
+            node_size, source = self.node_size, "node_size in the hf_zeropp config"
+        elif local_world_size is not None:
+            node_size, source = local_world_size, "given"
+        else:
+            node_size, source = detect_node_size(world_size)
         if node_size > world_size or world_size % node_size:
             raise ValueError(
-                f"node_size={node_size} does not divide the world size {world_size}; set node_size to the number "
-                f"of ranks per node (a divisor of {world_size})"
+                f"node_size={node_size} does not divide the world size {world_size} (node size from {source}); set "
+                f"node_size to the number of ranks per node (a divisor of {world_size})"
             )
         hpz = node_size if self.hpz_partition_size == "node" else int(self.hpz_partition_size)
         if hpz > world_size or world_size % hpz:
@@ -323,7 +332,8 @@ class ZeroPPConfig:
                 f"hpz_partition_size={hpz} does not fit in a node of {node_size} ranks: its backward all-gather "
                 f"would cross nodes; use {node_size} ('node') or a divisor of it"
             )
-        return ResolvedConfig(self, world_size=world_size, node_size=node_size, hpz_size=hpz)
+        return ResolvedConfig(self, world_size=world_size, node_size=node_size, hpz_size=hpz,
+                              node_size_source=source)
 
 
 @dataclass(frozen=True)
@@ -334,6 +344,7 @@ class ResolvedConfig:
     world_size: int
     node_size: int
     hpz_size: int
+    node_size_source: str = "given"
 
     @property
     def nodes(self) -> int:

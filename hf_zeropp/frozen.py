@@ -25,7 +25,7 @@ from torch import nn
 
 from . import kernels
 from .comm_meter import CommMeter, nbytes
-from .qwz import all_gather_quantized
+from .qwz import all_gather_packed
 from .topology import Topology
 
 
@@ -64,11 +64,13 @@ class FrozenInt8Weight:
 
     def materialize(self, dtype: torch.dtype) -> torch.Tensor:
         """The full weight in ``dtype``: a temporary tensor, gathered (INT8) and dequantized now."""
-        gathered_codes, gathered_scales = all_gather_quantized(self.codes, self.scales, self.group)
+        gathered_codes, gathered_scales = all_gather_packed([self.codes, self.scales], self.group)
         self.meter.record("frozen_allgather", self.group, nbytes(self.codes) + nbytes(self.scales),
-                          f"frozen int{self.bits} weight all_gather" + (" (hpZ copy)" if self.uses_hpz else ""))
+                          f"frozen int{self.bits} weight all_gather" + (" (hpZ copy)" if self.uses_hpz else "")
+                          + f", kernels {kernels.active_backend(self.codes.device)}")
         world = self.topology.world_size
-        weight = kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(world, -1), bits=self.bits,
+        weight = kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(torch.float32).view(world, -1),
+                                    bits=self.bits,
                                     block_size=self.block_size, length=self.shard_numel, dtype=dtype)
         return weight.view(-1)[: self.numel].view(self.shape)
 

@@ -30,6 +30,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import kernels
 from .comm_meter import CommMeter, MeteredReduceScatter, _PlainAlloc, check_sum, nbytes
+from .layout import VectorSlices
 from .topology import Topology
 
 if TYPE_CHECKING:
@@ -117,35 +118,6 @@ def _sum_in_order(stacked: torch.Tensor) -> torch.Tensor:
     for part in stacked[1:]:
         total += part
     return total
-
-
-class VectorSlices:
-    """Where a unit's 1-D parameters (biases, norm gains) lie in every rank's chunk of FSDP2's reduce-scatter input,
-    so that qgZ can reduce-scatter them in full precision as DeepSpeed's qgZ does (it quantizes only matrices).
-
-    Their gradients are a tiny share of the bytes (13 h of 12 h^2 + 13 h per GPT block), but in the flat buffer a
-    norm gain's slice shares a 256-element INT4 block with a matrix slice of a different magnitude and is mostly
-    rounded to zero. In torch 2.13's ``foreach_reduce`` a rank's chunk is the concatenation, over the unit's
-    parameters that received a gradient, of each one's padded shard (``padded_sharded_param_size``). The set is
-    taken to be every parameter that requires a gradient; when the chunk length disagrees (a parameter unused in
-    this backward) :meth:`positions` returns None and the whole chunk is quantized, which the meter states.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def positions(self, chunk_numel: int, device: torch.device) -> torch.Tensor | None:
-        group = self.module._get_fsdp_state()._fsdp_param_group
-        params = [p for p in (group.fsdp_params if group is not None else []) if p.sharded_param.requires_grad]
-        offset, spans = 0, []
-        for param in params:
-            length = param.padded_sharded_param_size.numel()
-            if param.sharded_param.dim() == 1:
-                spans.append(torch.arange(offset, offset + length, device=device))
-            offset += length
-        if offset != chunk_numel:
-            return None
-        return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long, device=device)
 
 
 class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
@@ -246,11 +218,11 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         or None when the option is off or the chunk layout is not the expected one."""
         if self.vector_slices is None:
             return None
-        positions = self.vector_slices.positions(chunks.shape[1], chunks.device)
+        positions = self.vector_slices.positions(chunks.shape[1], self.topology.world_size, chunks.device)
         if positions is None:
-            self.meter.implementations["qgz_1d_fallback"] = (
-                f"{type(self.vector_slices.module).__name__}: the reduce-scatter chunk does not match the unit's "
-                f"parameters (one got no gradient), so its 1-D slices were quantized with the rest")
+            self.meter.note("qgz_1d_fallback",
+                            f"{type(self.vector_slices.module).__name__}: the reduce-scatter chunk does not match the "
+                            f"unit's parameters (one got no gradient), so its 1-D slices were quantized with the rest")
             return None
         if positions.numel() == 0:
             return None
@@ -282,7 +254,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         packed = torch.cat((payload.view(torch.int8), scales.view(torch.int8)), dim=1)
         arrived = torch.empty_like(packed)
         work = dist.all_to_all_single(arrived, packed, group=group, async_op=True)
-        self.meter.record(kind, group, nbytes(packed) // peers, self.describe())
+        self.meter.record(kind, group, nbytes(packed) // peers, self.describe(payload.device))
         rows = payload.shape[0] // peers
         width = payload.view(torch.int8).shape[1]
 
@@ -294,7 +266,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
 
         return wait
 
-    def describe(self) -> str:
+    def describe(self, device: torch.device) -> str:
         topo = self.topology
         hops = "1-hop (single node)" if topo.nodes == 1 else "2-hop"
         precision = (f"int{self.intra_bits}/int{self.inter_bits}, block {self.block_size}"
@@ -303,7 +275,9 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
                 + (f", Hadamard {self.hadamard}" if self.hadamard else "")
                 + (", inter-node error feedback (8-bit residual)" if self.feedback is not None else "")
                 + (", 1-D parameters in full precision" if self.vector_slices is not None else "")
-                + (", stochastic rounding" if self.stochastic else ""))
+                + (", stochastic rounding" if self.stochastic else "")
+                + (f", kernels {kernels.active_backend(device)}" if isinstance(self.payload, BlockQuantizedPayload)
+                   else ""))
 
 
 def _as_one_peer(payload: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,5 +299,5 @@ def make_reduce_scatter(state: ZeroPPState, module: torch.nn.Module) -> Quantize
         enabled=config.quantized_gradients,
         hadamard=config.gradient_hadamard,
         error_feedback=config.gradient_error_feedback,
-        vector_slices=VectorSlices(module) if config.gradient_full_precision_1d else None,
+        vector_slices=VectorSlices(module, trainable_only=True) if config.gradient_full_precision_1d else None,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,14 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import kernels
-from .comm_meter import CommMeter
+from .comm_meter import CommMeter, in_backward
 from .config import ResolvedConfig, ZeroPPConfig
 from .frozen import quantize_frozen_weights
 from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
-from .hpz import set_hpz, shared_hpz_mesh
+from .hpz import reshard_all, set_hpz, shared_hpz_mesh
 from .topology import Topology, get_topology
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,7 +71,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
             "shard_model needs torch.distributed initialised: launch with torchrun or accelerate launch, "
             "or call torch.distributed.init_process_group first"
         )
-    resolved = config.resolve(dist.get_world_size(), _local_world_size())
+    resolved = config.resolve(dist.get_world_size())
     device = torch.device(device) if device is not None else _default_device()
     _units(model, config.wrap_modules)  # a wrap_modules that matches nothing fails before any collective
     if config.kernel_backend is not None:
@@ -84,6 +85,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     before = dict(model.named_parameters())
     if device.type != "cpu" or any(p.device.type != device.type for p in model.parameters()):
         model.to(device)
+    _make_initial_state_equal(model, topology)
     if config.quantized_nontrainable_weights:
         quantize_frozen_weights(model, topology, meter, config.weight_bits, config.block_size,
                                 _DTYPES[config.mixed_precision])
@@ -112,11 +114,56 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
         register_fsdp_forward_method(model, "generate")
     model.__class__ = _zeropp_class(type(model), original_class)
     _remember_replaced_parameters(before, dict(model.named_parameters()))
-    state = ZeroPPState(config, resolved, topology, meter, units,
-                        hpz_enabled=config.stage == 3 and resolved.hpz_size > 1)
+    _install_optimizer_hooks()
+    for param in model.parameters():  # lets an optimizer step find the model whose gathered copies it makes stale
+        param._zeropp_model = weakref.ref(model)
+    state = ZeroPPState(config, resolved, topology, meter, units, hpz_enabled=topology.hpz_mesh is not None)
     _install_comms(model, state)
     model._zeropp = state
+    _report_techniques_that_cannot_apply(state)
     return model
+
+
+def _make_initial_state_equal(model: nn.Module, topology: Topology) -> None:
+    """Give every rank rank 0's parameters and buffers if the ranks built different ones, as DDP does.
+
+    A script that seeds per rank or not at all builds different random weights on every rank; FSDP2 would shard
+    each rank's own (stage 1-3 would train a mixture of the ranks' inits, stage 0 replicas that never agree). A
+    checksum per tensor (sum and sum of squares, float64) is compared first, so the broadcast of the whole model
+    only happens when they differ. Models on the meta device have nothing to compare."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"]
+    if not tensors or topology.world_size == 1:
+        return
+    with torch.no_grad():
+        mine = torch.stack([torch.stack((t.double().sum(), t.double().square().sum())) for t in tensors]).view(-1)
+        mine = mine.to(topology.device_type)
+        everyone = [torch.empty_like(mine) for _ in range(topology.world_size)]
+        dist.all_gather(everyone, mine)
+        if all(torch.equal(everyone[0].cpu(), other.cpu()) for other in everyone[1:]):
+            return
+        if topology.rank == 0:
+            warnings.warn("the ranks built different initial weights (per-rank or no seeding); hf_zeropp gives "
+                          "every rank rank 0's parameters and buffers, as DDP does", stacklevel=3)
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=0)
+
+
+def _report_techniques_that_cannot_apply(state: ZeroPPState) -> None:
+    """Warn once (rank 0) about every requested technique this launch cannot apply, and say so in comm_stats."""
+    config, topology = state.config, state.topology
+    where = (f"all {topology.world_size} ranks are on one node (node size {topology.node_size} from "
+             f"{state.resolved.node_size_source})")
+    reasons = {}
+    if config.quantized_weights and topology.nodes == 1 and not config.quantize_hpz_gather:
+        reasons["quantized_weights"] = f"qwZ quantizes only gathers that cross nodes, and {where}"
+    if config.stage == 3 and config.hpz_partition_size != 1 and not state.hpz_enabled:
+        reasons["hpz"] = (f"hpZ's secondary shard would span the whole world: {where}" if topology.nodes == 1
+                          else "hpz_partition_size resolves to 1 rank per group")
+    for technique, reason in reasons.items():
+        state.meter.conditions[technique] = f"not applied: {reason}"
+        if topology.rank == 0:
+            warnings.warn(f"hf_zeropp: {technique} was requested but is not applied: {reason}. Set node_size (or "
+                          f"ZEROPP_NODE_SIZE) if the launcher's node size is wrong", stacklevel=3)
 
 
 class ZeroPPModule:
@@ -188,8 +235,6 @@ def _remember_replaced_parameters(before: dict[str, nn.Parameter], after: dict[s
         key = id(old)
         _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)),
                           weakref.ref(new) if new is not None else None)
-    if _replaced:
-        _install_optimizer_guard()
 
 
 def _replacement(param: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
@@ -219,17 +264,24 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
         group["params"] = params
 
 
-_guard_installed = False
+_hooks_installed = False
 
 
-def _install_optimizer_guard() -> None:
-    """Fail an optimizer step that would update parameters shard_model has replaced: they receive no gradients any
-    more, so the step would silently train nothing (DDP keeps the parameters; FSDP2 and hf_zeropp do not)."""
-    global _guard_installed
-    if _guard_installed:
+def _install_optimizer_hooks() -> None:
+    """Two process-wide optimizer-step hooks, for the rules that keep a sharded model's weights right:
+
+    * before a step, fail if the optimizer holds parameters shard_model replaced: they receive no gradients any
+      more, so the step would silently train nothing (DDP keeps the parameters; FSDP2 and hf_zeropp do not);
+    * after a step, drop the gathered weights and hpZ secondary shards of every model it updated. Normally there
+      are none (backward reshards), but a no-grad forward between backward and step (an evaluation, generate(),
+      a reward) leaves them, and the next forward would compute with the pre-step weights. Cost: nothing in the
+      usual order; after such a forward, the next forward gathers again, as it must.
+    """
+    global _hooks_installed
+    if _hooks_installed:
         return
 
-    def check(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not _replaced:
             return
         for group in optimizer.param_groups:
@@ -243,8 +295,21 @@ def _install_optimizer_guard() -> None:
                         f"model or in a later call), which points it at the shards"
                     )
 
-    register_optimizer_step_pre_hook(check)
-    _guard_installed = True
+    def drop_stale_copies(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if in_backward():  # an optimizer stepping inside backward: FSDP still needs its gathered weights
+            return
+        models = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                model = getattr(param, "_zeropp_model", lambda: None)()
+                if model is not None:
+                    models[id(model)] = model
+        for model in models.values():
+            reshard_all(model)
+
+    register_optimizer_step_pre_hook(refuse_replaced_parameters)
+    register_optimizer_step_post_hook(drop_stale_copies)
+    _hooks_installed = True
 
 
 def _as_config(config: ZeroPPConfig | str | os.PathLike | None) -> ZeroPPConfig:
@@ -257,11 +322,6 @@ def _as_config(config: ZeroPPConfig | str | os.PathLike | None) -> ZeroPPConfig:
 
         return ZeroPPConfig.preset(str(config)) if str(config) in PRESETS else ZeroPPConfig.from_file(config)
     raise TypeError(f"config must be a ZeroPPConfig, a preset name, a file path or None; got {type(config).__name__}")
-
-
-def _local_world_size() -> int | None:
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(value) if value else None
 
 
 def _default_device() -> torch.device:
@@ -329,7 +389,7 @@ def _install_comms(model: nn.Module, state: ZeroPPState) -> None:
         if state.config.stage == 0:
             module.set_all_reduce_hook(_allreduce_meter(state.meter, state.topology))
             continue
-        all_gather, reduce_scatter = make_all_gather(state), make_reduce_scatter(state, module)
+        all_gather, reduce_scatter = make_all_gather(state, module), make_reduce_scatter(state, module)
         module.set_custom_all_gather(all_gather)
         module.set_custom_reduce_scatter(reduce_scatter)
         state.all_gathers.append(all_gather)
@@ -355,8 +415,9 @@ def zeropp_state(model: nn.Module) -> ZeroPPState:
 def comm_stats(model: nn.Module, reset: bool = False) -> dict[str, Any]:
     """Bytes this rank sent since the last reset, per collective kind, split into intra_node and inter_node.
 
-    See :mod:`hf_zeropp.comm_meter` for the accounting rule. ``implementations`` says what actually ran for each
-    kind (e.g. the 2-hop quantized all-to-all for the gradient reduce-scatter).
+    See :mod:`hf_zeropp.comm_meter` for the accounting rule. ``implementations`` lists, per kind, every distinct
+    way it ran in this window (e.g. the 2-hop quantized all-to-all for the gradient reduce-scatter, with the kernel
+    backend that ran), plus, per requested technique this launch cannot apply, why.
     """
     return zeropp_state(model).meter.stats(reset=reset)
 
@@ -385,9 +446,11 @@ def set_techniques(model: nn.Module, *, quantized_weights: bool | None = None, h
 
 
 def active_techniques(model: nn.Module) -> dict[str, bool]:
+    """What is in effect now: a technique switched on that this launch cannot apply (qwZ with every rank on one
+    node, where no gather crosses nodes) is reported off."""
     state = zeropp_state(model)
     return {
-        "quantized_weights": any(c.enabled for c in state.all_gathers),
+        "quantized_weights": any(c.enabled and c.applies() for c in state.all_gathers),
         "hpz": state.hpz_enabled,
         "quantized_gradients": any(c.enabled for c in state.reduce_scatters),
     }

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from hf_zeropp.spawn import run_distributed
 
-TOPOLOGIES = [(2, 2), (2, 4), (4, 2), (3, 2), (1, 4)]
+TOPOLOGIES = [(2, 2), (2, 3), (2, 4), (4, 2), (3, 2), (1, 4)]
 SHARD = 301  # elements per rank: prime, so neither stages nor blocks divide it
 BLOCK = 64
 
@@ -33,7 +33,7 @@ def _gradients(world: int, rank: int, integers: bool) -> torch.Tensor:
 
 
 def _error_bound(world: int, nodes: int, node_size: int, stages: int, first_bits: int, inter_bits: int,
-                 rank: int, stochastic: bool) -> torch.Tensor:
+                 rank: int, stochastic: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Analytic bound on |qgZ SUM - exact SUM| per element of ``rank``'s shard.
 
     Each rank's slice is quantized once (error <= step/2 per block with step = absmax/qmax; < step with
@@ -45,7 +45,7 @@ def _error_bound(world: int, nodes: int, node_size: int, stages: int, first_bits
     slice_len = -(-SHARD // stages)
     padded = torch.zeros(world, world, stages * slice_len)
     for r in range(world):
-        padded[r, :, :SHARD] = _gradients(world, r, integers=False)
+        padded[r, :, :SHARD] = _gradients(world, r, integers=False).to(dtype).float()
     mine = padded[:, rank].view(world, stages, slice_len)  # every rank's chunk addressed to me
     blocks = -(-slice_len // BLOCK)
     pad = blocks * BLOCK - slice_len
@@ -116,10 +116,44 @@ def test_qgz_places_exactly_and_stays_within_the_quantization_bound(nodes, node_
         stats = result["stats"]
         if nodes == 1:
             assert "qgz_inter" not in stats and stats["qgz_intra"]["inter_node"] == 0
-            assert "1-hop" in stats["implementations"]["qgz_intra"]
+            assert "1-hop" in " | ".join(stats["implementations"]["qgz_intra"])
         else:
             assert stats["qgz_intra"]["inter_node"] == 0, "hop 1 must stay inside the node"
             assert stats["qgz_inter"]["intra_node"] == 0, "hop 2 must only cross nodes"
+
+
+def _qgz_low_precision_worker(node_size: int):
+    """qgZ on bf16 and fp16 gradients (FSDP's reduce dtype with ``reduce_dtype`` bf16/fp16): the result comes back in
+    that dtype, within the quantization bound of the exact fp32 sum plus the dtype's rounding of the result."""
+    from hf_zeropp.comm_meter import reduce_scatter_single
+    from hf_zeropp.qgz import QuantizedReduceScatter
+
+    topology, meter = _setup(node_size)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs = _gradients(world, rank, integers=False).to(dtype)
+        exact = torch.empty(SHARD)
+        reduce_scatter_single(exact, inputs.float().reshape(-1), group=None, op=dist.ReduceOp.SUM)
+        for intra_bits, inter_bits in ((8, 4), (4, 4)):
+            comm = QuantizedReduceScatter(meter, topology, intra_bits, inter_bits, BLOCK, 2, False, 3)
+            got = torch.empty(SHARD, dtype=dtype)
+            comm(got, inputs.reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM)
+            first = intra_bits if topology.node_size > 1 else inter_bits
+            bound = _error_bound(world, topology.nodes, topology.node_size, 2, first, inter_bits, rank, False, dtype)
+            tolerance = bound + exact.abs() * torch.finfo(dtype).eps
+            error = (got.float() - exact).abs()
+            results[(dtype, intra_bits, inter_bits)] = (got.dtype == dtype and bool((error <= tolerance).all()),
+                                                        float((error / tolerance).max()))
+    return results
+
+
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (2, 3)])
+def test_qgz_on_bf16_and_fp16_gradients(nodes, node_size):
+    for rank, result in enumerate(run_distributed(_qgz_low_precision_worker, nodes * node_size, node_size,
+                                                  node_size=node_size)):
+        for key, (within, ratio) in result.items():
+            assert within, f"rank {rank} {key}: error {ratio:.2f}x the bound"
 
 
 def _qwz_worker(node_size: int):
@@ -153,7 +187,7 @@ def test_qwz_all_gather_stays_within_half_a_step_in_every_dtype(nodes, node_size
     results = run_distributed(_qwz_worker, nodes * node_size, node_size, node_size=node_size)
     for result in results:
         assert all(v for k, v in result.items() if k != "stats"), result
-        implementation = result["stats"]["implementations"]["fwd_allgather"]
+        implementation = " | ".join(result["stats"]["implementations"]["fwd_allgather"])
         # a single node's gather never leaves the node, so it is not quantized unless asked
         assert ("qwZ" in implementation) == (nodes > 1), implementation
 

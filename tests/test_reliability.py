@@ -63,7 +63,7 @@ MORE_BAD_CONFIGS = [
     (dict(block_size=64.0), TypeError, "block_size=64.0 has type float; expected int"),
     (dict(gradient_block_size=4), ValueError, "gradient_block_size=4 must be a positive multiple of 8"),
     # hpZ / node sizes
-    (dict(node_size=-2), ValueError, "node_size=-2 must be >= 1 (or None for LOCAL_WORLD_SIZE)"),
+    (dict(node_size=-2), ValueError, "node_size=-2 must be >= 1 (or None to detect it from the launch)"),
     (dict(node_size=2.0), TypeError, "node_size=2.0 has type float; expected int or None"),
     (dict(hpz_partition_size=2.5), TypeError, "hpz_partition_size=2.5 has type float; expected int or str"),
     (dict(qgz_pipeline_stages=-3), ValueError, "qgz_pipeline_stages=-3 must be >= 1"),
@@ -288,8 +288,9 @@ def _model_with_a_non_finite_weight():
         hf_zeropp.comm_stats(model, reset=True)
         with torch.no_grad():
             loss = model(input_ids=ids, labels=ids).loss
+        gathers = hf_zeropp.comm_stats(model)["implementations"]["fwd_allgather"]
         out[kind] = {"poisoned": poisoned, "gathered_bad": ~torch.isfinite(captured["weight"]),
-                     "loss": float(loss), "gather": hf_zeropp.comm_stats(model)["implementations"]["fwd_allgather"]}
+                     "loss": float(loss), "gather": " | ".join(gathers)}
     return out
 
 

@@ -1,0 +1,43 @@
+"""Where an FSDP2 unit's parameters lie in the flat buffers its collectives exchange.
+
+In torch 2.13's FSDP2 a rank's part of a unit's all-gather input and of its reduce-scatter input is the
+concatenation, over the unit's parameters, of each one's dim-0-padded part: ``padded_sharded_param_size`` for a
+gather or reduce-scatter over the whole world, ``1/k`` of the padded parameter for hpZ's gather over ``k`` ranks.
+The all-gather carries every parameter; the reduce-scatter only those that received a gradient. ZeRO++ uses this
+to send the 1-D parameters (biases, norm gains) in full precision: quantized with the matrices, they share blocks
+with values of another magnitude and lose most of their precision.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class VectorSlices:
+    """The positions of a unit's 1-D parameters in one rank's part of a collective's flat buffer.
+
+    ``trainable_only``: lay out only the parameters that require a gradient (the reduce-scatter). When the part's
+    length disagrees with the layout (a parameter got no gradient in this backward, or FSDP's layout changed),
+    :meth:`positions` returns None and the caller quantizes everything, saying so in its meter.
+    """
+
+    def __init__(self, module: nn.Module, trainable_only: bool) -> None:
+        self.module = module
+        self.trainable_only = trainable_only
+
+    def positions(self, rank_numel: int, group_size: int, device: torch.device) -> torch.Tensor | None:
+        group = self.module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            return None
+        params = [p for p in group.fsdp_params if p.sharded_param.requires_grad or not self.trainable_only]
+        world = group.mesh_info.shard_mesh_size
+        offset, spans = 0, []
+        for param in params:
+            length = param.padded_sharded_param_size.numel() * world // group_size
+            if param.sharded_param.dim() == 1:
+                spans.append(torch.arange(offset, offset + length, device=device))
+            offset += length
+        if offset != rank_numel:
+            return None
+        return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long, device=device)

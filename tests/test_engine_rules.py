@@ -1,0 +1,200 @@
+"""The engine's rules (README "Engine rules"): no forward computes with stale weights, ranks start from the same
+weights as under DDP, the node size is found from the launch, a technique that cannot apply says so, frozen weights
+are not kept alive by an optimizer, and comm_stats names every implementation that ran."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_zeropp.launcher import node_size_from_environment
+from hf_zeropp.spawn import run_distributed
+from tiny_models import full_parameters, local_batch, tiny_gpt2
+
+STALE_CONFIGS = {"zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
+                 "hpz": {"stage": 3, "hpz_partition_size": "node"},
+                 "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node",
+                            "quantized_gradients": True}}
+
+
+def _loss_after_one_step(options: dict, forward_between: bool) -> dict[str, float]:
+    """GPT-2 2 x 32, SGD lr 0.5: backward, optionally a no-grad forward (an evaluation, generate(), a reward), step;
+    then the loss of a forward with the new weights."""
+    import hf_zeropp
+
+    model = tiny_gpt2()
+    hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**options))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = local_batch(0)
+    before = model(input_ids=ids, labels=ids).loss
+    before.backward()
+    if forward_between:
+        with torch.no_grad():
+            model(input_ids=ids)
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after = model(input_ids=ids, labels=ids).loss
+    return {"before": float(before), "after": float(after)}
+
+
+def _stale_weight_runs() -> dict:
+    return {name: {between: _loss_after_one_step(options, between) for between in (False, True)}
+            for name, options in STALE_CONFIGS.items()}
+
+
+def test_a_no_grad_forward_between_backward_and_step_leaves_no_stale_weights():
+    """Stage 2 keeps the gathered weights after a forward and hpZ keeps its secondary shard; from a forward after
+    backward they would survive the step (before the fix: the post-step loss equalled the pre-step loss)."""
+    for rank_result in run_distributed(_stale_weight_runs, 4, node_size=2):
+        for name, runs in rank_result.items():
+            plain, with_forward = runs[False], runs[True]
+            assert plain["after"] < plain["before"] - 0.01, (name, plain)
+            assert with_forward["after"] == plain["after"], (name, runs)
+
+
+def _per_rank_init(stage: int) -> dict:
+    """Every rank builds its own random weights (seeded by rank, as a script that seeds per rank or not at all)."""
+    import hf_zeropp
+
+    rank = dist.get_rank()
+    model = tiny_gpt2(seed=100 + rank)
+    rank0_init = tiny_gpt2(seed=100).state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(stage=stage))
+    full = full_parameters(model)
+    local = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+             for name, p in model.named_parameters()}
+    return {"equal_to_rank0": all(torch.equal(full[name], rank0_init[name]) for name in full),
+            "local": local, "warned": any("different initial weights" in str(w.message) for w in caught)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_start_from_rank_0_weights_as_under_ddp(stage):
+    results = run_distributed(_per_rank_init, 4, stage, node_size=2)
+    assert all(r["equal_to_rank0"] for r in results)
+    assert results[0]["warned"] and not any(r["warned"] for r in results[1:])
+    if stage == 0:  # replicas: every rank holds the same full weights
+        for name, value in results[0]["local"].items():
+            assert all(torch.equal(r["local"][name], value) for r in results[1:]), name
+
+
+def test_node_size_from_the_launchers_variables():
+    assert node_size_from_environment({}) is None
+    assert node_size_from_environment({"LOCAL_WORLD_SIZE": "8", "SLURM_NTASKS_PER_NODE": "4"})[0] == 8
+    assert node_size_from_environment({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == (4, "OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI)")
+    assert node_size_from_environment({"MPI_LOCALNRANKS": "2"})[0] == 2
+    assert node_size_from_environment({"MV2_COMM_WORLD_LOCAL_SIZE": "2"})[0] == 2
+    assert node_size_from_environment({"SLURM_NTASKS_PER_NODE": "4"})[0] == 4
+    assert node_size_from_environment({"SLURM_TASKS_PER_NODE": "4(x2)"})[0] == 4
+    assert node_size_from_environment({"SLURM_TASKS_PER_NODE": "8,8"})[0] == 8
+    with pytest.raises(ValueError, match=r"SLURM_TASKS_PER_NODE='4\(x2\),3': nodes run different numbers of ranks"):
+        node_size_from_environment({"SLURM_TASKS_PER_NODE": "4(x2),3"})
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_LOCAL_SIZE='x' .* is not a positive number"):
+        node_size_from_environment({"OMPI_COMM_WORLD_LOCAL_SIZE": "x"})
+
+
+def _launch_without_launcher_variables(hosts: list[str], preset: str) -> dict:
+    """A custom launcher: no LOCAL_WORLD_SIZE or similar; this rank runs on ``hosts[rank]``."""
+    import hf_zeropp
+
+    os.environ.pop("LOCAL_WORLD_SIZE")
+    socket.gethostname = lambda: hosts[dist.get_rank()]
+    model = tiny_gpt2()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            hf_zeropp.shard_model(model, preset)
+        except ValueError as error:
+            return {"error": str(error)}
+    ids = local_batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    state = model._zeropp
+    return {"node_size": state.topology.node_size, "source": state.resolved.node_size_source,
+            "active": hf_zeropp.active_techniques(model), "stats": hf_zeropp.comm_stats(model),
+            "warnings": [str(w.message) for w in caught if "not applied" in str(w.message)]}
+
+
+def test_without_launcher_variables_the_host_names_give_the_node_size():
+    two_hosts = run_distributed(_launch_without_launcher_variables, 4, ["a", "a", "b", "b"], "zeropp")
+    for result in two_hosts:
+        assert result["node_size"] == 2 and result["source"] == "host names (2 host(s))"
+        assert result["active"] == {"quantized_weights": True, "hpz": True, "quantized_gradients": True}
+        assert result["stats"]["bwd_allgather"]["inter_node"] == 0 and result["stats"]["qgz_inter"]["inter_node"] > 0
+    interleaved = run_distributed(_launch_without_launcher_variables, 4, ["a", "b", "a", "b"], "zeropp")
+    assert all("ranks are not numbered node by node" in r["error"] for r in interleaved)
+
+
+def test_a_technique_that_cannot_apply_is_reported_off_with_the_reason():
+    """One host: every rank on one node. qwZ (it only quantizes gathers that cross nodes) and hpZ (its secondary
+    shard would be the whole world) do not apply: active_techniques says so, comm_stats says why, rank 0 warns."""
+    results = run_distributed(_launch_without_launcher_variables, 4, ["a"] * 4, "zeropp")
+    for rank, result in enumerate(results):
+        assert result["node_size"] == 4
+        assert result["active"] == {"quantized_weights": False, "hpz": False, "quantized_gradients": True}
+        implementations = result["stats"]["implementations"]
+        assert "not applied" in implementations["quantized_weights"][0]
+        assert "all 4 ranks are on one node" in implementations["hpz"][0]
+        assert not any("qwZ" in line for line in implementations["fwd_allgather"])
+        assert len(result["warnings"]) == (2 if rank == 0 else 0), result["warnings"]
+
+
+def _frozen_weights_freed() -> dict:
+    """An optimizer built on all parameters (frozen included) before prepare, with frozen INT8 weights."""
+    import hf_zeropp
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    accelerator = hf_zeropp.Accelerator(zeropp=hf_zeropp.ZeroPPConfig.preset("zeropp-lora", node_size=2))
+    model = tiny_gpt2()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("transformer.ln_f"))
+    frozen = weakref.ref(model.transformer.h[0].mlp.c_fc.weight)
+    trainable = weakref.ref(model.transformer.ln_f.weight)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    gc.collect()
+    held = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+    return {"frozen_alive": frozen() is not None, "trainable_alive": trainable() is not None,
+            "held_are_the_shards": held == {id(p) for p in model.parameters()}}
+
+
+def test_frozen_weights_stored_int8_are_not_kept_alive_by_the_optimizer():
+    for result in run_distributed(_frozen_weights_freed, 4, node_size=2):
+        assert not result["frozen_alive"] and not result["trainable_alive"], result
+        assert result["held_are_the_shards"], result  # the INT8-stored weights dropped, the rest rebound
+
+
+def _implementations_per_window() -> list[dict]:
+    import hf_zeropp
+
+    model = tiny_gpt2()
+    hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(stage=3, quantized_gradients=True, node_size=2,
+                                                        kernel_backend="reference"))
+    ids = local_batch(0)
+    windows = []
+    for quantized in (True, False, True):
+        hf_zeropp.set_techniques(model, quantized_gradients=quantized)
+        model(input_ids=ids, labels=ids).loss.backward()
+        if quantized is False:  # the same window sees both implementations
+            hf_zeropp.set_techniques(model, quantized_gradients=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+        windows.append(hf_zeropp.comm_stats(model, reset=True)["implementations"])
+    return windows
+
+
+def test_comm_stats_lists_every_implementation_of_its_window_with_the_kernel_backend():
+    first, mixed, last = run_distributed(_implementations_per_window, 4, node_size=2)[0]
+    assert "grad_reduce_scatter" not in first and "grad_reduce_scatter" not in last  # reset between windows
+    assert [line.split(",")[0] for line in mixed["qgz_inter"]] == ["qgZ 2-hop all-to-all int4/int4"]
+    assert mixed["grad_reduce_scatter"] == ["reduce_scatter torch.float32"]
+    assert all(line.endswith("kernels reference") for line in first["qgz_intra"] + first["qgz_inter"])
