@@ -198,3 +198,26 @@ def test_comm_stats_lists_every_implementation_of_its_window_with_the_kernel_bac
     assert [line.split(",")[0] for line in mixed["qgz_inter"]] == ["qgZ 2-hop all-to-all int4/int4"]
     assert mixed["grad_reduce_scatter"] == ["reduce_scatter torch.float32"]
     assert all(line.endswith("kernels reference") for line in first["qgz_intra"] + first["qgz_inter"])
+
+
+def _save_on_rank_0_only(directory: str) -> str:
+    import datetime
+
+    import hf_zeropp
+    import hf_zeropp.full_state
+
+    hf_zeropp.full_state.ARRIVAL_TIMEOUT = datetime.timedelta(seconds=3)
+    model = tiny_gpt2()
+    hf_zeropp.shard_model(model, "zero3")
+    if dist.get_rank() != 0:
+        return "not called"
+    try:
+        model.save_pretrained(directory)  # fine under DDP, a hang under FSDP
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_saving_on_rank_0_alone_fails_with_the_fix_instead_of_hanging(tmp_path):
+    message = run_distributed(_save_on_rank_0_only, 2, str(tmp_path))[0]
+    assert "is collective: every rank must call it" in message and "Ranks 1 failed" in message, message
