@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import types
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -119,13 +120,16 @@ def _forward_for(module: nn.Module):
 
 
 def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMeter, bits: int, block_size: int,
-                            compute_dtype: torch.dtype) -> dict[str, FrozenInt8Weight]:
+                            compute_dtype: torch.dtype,
+                            values: Callable[[torch.Tensor], torch.Tensor] = lambda weight: weight,
+                            ) -> dict[str, FrozenInt8Weight]:
     """Replace every frozen floating weight of a Linear/Conv1D/Embedding by INT8 shards; returns them by name.
 
     Tied weights (one Parameter used by several modules) share one store. Non-floating frozen tensors, frozen
     parameters of other modules (LayerNorm) and the output head (with the embedding tied to it) stay as they are:
     the head's precision matters most for the logits, and RL trainers (TRL's fused log-prob head) read its
-    ``weight`` directly.
+    ``weight`` directly. ``values(weight)`` gives a weight's real values (a model on the meta device gets them from
+    rank 0, one weight at a time); they are quantized as they arrive and not kept.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kept = {id(head.weight)} if isinstance(getattr(head, "weight", None), torch.Tensor) else set()
@@ -138,7 +142,7 @@ def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMet
             continue
         store = stores.get(id(weight))
         if store is None:
-            store = stores[id(weight)] = FrozenInt8Weight(weight, topology, meter, bits, block_size)
+            store = stores[id(weight)] = FrozenInt8Weight(values(weight), topology, meter, bits, block_size)
         del module._parameters["weight"]
         # a shape/dtype-only stand-in, for code (peft, generation utilities) that inspects `.weight`
         module.weight = torch.empty(store.shape, dtype=weight.dtype, device="meta")

@@ -35,6 +35,16 @@ from .config import ResolvedConfig, ZeroPPConfig
 from .frozen import quantize_frozen_weights
 from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
 from .hpz import reshard_all, set_hpz, shared_hpz_mesh
+from .materialize import (
+    META,
+    RANK0,
+    REAL,
+    agree_on_layout,
+    allocate_shards,
+    frozen_weight_source,
+    initialize_from_meta,
+    load_from_rank0,
+)
 from .topology import Topology, get_topology
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,6 +72,10 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     ``ZEROPP_*`` environment variables. Build the optimizer *after* this call, on ``model.parameters()``: the
     parameters are then this rank's shards, so optimizer state is sharded by construction. Every check runs
     before the first collective.
+
+    The model may hold real weights on every rank, be built on the meta device on every rank (the model's own
+    init fills only this rank's shards), or hold real weights on rank 0 only (:func:`hf_zeropp.from_pretrained`;
+    rank 0 sends them): see :mod:`hf_zeropp.materialize`.
     """
     config = _as_config(config)
     if getattr(model, "_zeropp", None) is not None:
@@ -82,13 +96,16 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     _ = topology.world_mesh, topology.node_mesh, topology.hpz_mesh, topology.control_group
     meter = CommMeter(topology)
     original_class = type(model)
+    layout = agree_on_layout(model, topology)
     before = dict(model.named_parameters())
-    if device.type != "cpu" or any(p.device.type != device.type for p in model.parameters()):
-        model.to(device)
-    _make_initial_state_equal(model, topology)
+    rank0_state = model.state_dict() if layout == RANK0 and topology.rank == 0 else {}  # references, not copies
+    if layout == REAL:
+        if device.type != "cpu" or any(p.device.type != device.type for p in model.parameters()):
+            model.to(device)
+        _make_initial_state_equal(model, topology)
     if config.quantized_nontrainable_weights:
         quantize_frozen_weights(model, topology, meter, config.weight_bits, config.block_size,
-                                _DTYPES[config.mixed_precision])
+                                _DTYPES[config.mixed_precision], frozen_weight_source(layout, topology))
     units = _units(model, config.wrap_modules)
     if config.activation_checkpointing:
         _enable_activation_checkpointing(model, units)
@@ -108,11 +125,20 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
         with shared_hpz_mesh(topology):
             for unit in [*units, model]:
                 fully_shard(unit, mesh=topology.world_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    # named as the original class from here on (transformers judges by the class's module whether a model is its own
+    # code, which decides how its init treats modules without parameters)
+    model.__class__ = _zeropp_class(type(model), original_class)
+    if layout == META or (layout == RANK0 and topology.rank != 0):
+        allocate_shards(model, device)
+    if layout == META:
+        initialize_from_meta(model)
+    elif layout == RANK0:
+        load_from_rank0(model, rank0_state, topology)
+        del rank0_state  # rank 0's full copy goes now
 
     if callable(getattr(model, "generate", None)):
         # generate() calls forward without the root module's __call__: let FSDP gather the root's weights for it
         register_fsdp_forward_method(model, "generate")
-    model.__class__ = _zeropp_class(type(model), original_class)
     _remember_replaced_parameters(before, dict(model.named_parameters()))
     _install_optimizer_hooks()
     for param in model.parameters():  # lets an optimizer step find the model whose gathered copies it makes stale
@@ -130,8 +156,8 @@ def _make_initial_state_equal(model: nn.Module, topology: Topology) -> None:
     A script that seeds per rank or not at all builds different random weights on every rank; FSDP2 would shard
     each rank's own (stage 1-3 would train a mixture of the ranks' inits, stage 0 replicas that never agree). A
     checksum per tensor (sum and sum of squares, float64) is compared first, so the broadcast of the whole model
-    only happens when they differ. Models on the meta device have nothing to compare."""
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"]
+    only happens when they differ."""
+    tensors = [*model.parameters(), *model.buffers()]
     if not tensors or topology.world_size == 1:
         return
     with torch.no_grad():

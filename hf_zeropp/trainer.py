@@ -143,6 +143,13 @@ class ZeroPPTrainerMixin:
         """A model this trainer evaluates but does not train (TRL's reference and reward models)."""
         return model is not getattr(self, "model", None) and model is not getattr(self, "model_wrapped", None)
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """A model on the meta device (built empty, or :func:`hf_zeropp.from_pretrained` on ranks other than 0) is
+        placed by sharding, which allocates only this rank's shards; moving it now would fail."""
+        if any(param.is_meta for param in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
+
     def _zeropp_sharded(self) -> bool:
         return is_sharded(self.model)
 
