@@ -41,14 +41,14 @@ def _config(shape: str):
     return GPT2Config(vocab_size=50257, n_positions=1024, bos_token_id=50256, eos_token_id=50256, **SHAPES[shape])
 
 
-def _peak_peak_rss_bytes() -> int:
+def _peak_rss_bytes() -> int:
     """This process's peak RSS (VmHWM). Not ru_maxrss: Linux carries that over exec from the parent, so a rank
     would report the launcher's peak (e.g. writing the checkpoint) as its own."""
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
-def _current_peak_rss_bytes() -> int:
+def _current_rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -59,7 +59,7 @@ def _one_rank(shape: str, path: str, checkpoint: str, steps: int, preset: str, n
 
     import hf_zeropp
 
-    base = _current_peak_rss_bytes()
+    base = _current_rss_bytes()
     start = time.perf_counter()
     torch.manual_seed(0)
     if path == "eager":
@@ -82,7 +82,8 @@ def _one_rank(shape: str, path: str, checkpoint: str, steps: int, preset: str, n
         steady = sum(hf_zeropp.state_bytes(model, optimizer).values())  # gradients kept: the steady state
         optimizer.zero_grad(set_to_none=False)
     full = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes (DTensors)
-    return {"base": base, "peak_sharded": peak_sharded, "peak": _peak_rss_bytes(), "training": _current_peak_rss_bytes(), "steady": steady, "full": full, "shard_s": sharded,
+    return {"base": base, "peak_sharded": peak_sharded, "peak": _peak_rss_bytes(), "training": _current_rss_bytes(),
+            "steady": steady, "full": full, "shard_s": sharded,
             "first_step_s": first_step}
 
 
