@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_zeropp.spawn import run_distributed
-from tiny_models import VOCAB, tiny_gpt2
+from tiny_models import VOCAB, save_tiny_gpt2_with_tokenizer, tiny_gpt2
 
 WORLD, NODE_SIZE = 4, 2
 EXACT_MODES = ("zero1", "zero2", "zero3")
@@ -371,22 +371,6 @@ def test_trainer_resumes_on_another_world_size_as_stock(trainer_resumed, mode):
 # ---------------------------------------------------------------- TRL trainers behind the mixin
 
 
-def _save_base_model(directory: Path) -> None:
-    """A tiny GPT-2 and the offline stdlib tokenizer, saved so that TRL can load them — and, from the same path,
-    build its reference model."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from hf_zeropp.data import stdlib_tokenizer
-
-    tokenizer = stdlib_tokenizer(300)
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    GPT2LMHeadModel(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
 def _digit_reward(completions: list[str], **_) -> list[float]:
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
@@ -458,7 +442,7 @@ TRL_MODES = ("stock", "zero3", "zeropp", "zeropp-lora")
 def trl_results(tmp_path_factory) -> Runs:
     pytest.importorskip("trl", reason="TRL is optional (pip install hf_zeropp[rlhf]); scripts/setup.sh installs it")
     workdir = tmp_path_factory.mktemp("trl")
-    _save_base_model(workdir / "base")
+    save_tiny_gpt2_with_tokenizer(workdir / "base")
     return Runs(lambda mode: run_distributed(_trl_patterns, WORLD, mode, str(workdir), node_size=NODE_SIZE)[0])
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_zeropp.spawn import run_distributed
-from tiny_models import VOCAB, full_parameters
+from tiny_models import VOCAB, full_parameters, save_tiny_gpt2_with_tokenizer
 
 CONFIGS = {"ddp": {"stage": 0}, "zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
            "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node",
@@ -285,3 +285,44 @@ def test_the_trainer_trains_a_model_loaded_on_rank_0_alone_as_stock_trains_the_f
         assert len(result["stock"]) == 4, result
         for name in ("model", "model_init"):
             assert result[name] == pytest.approx(result["stock"], rel=1e-6), (name, result)
+
+
+def _dpo_losses(path: str, workdir: str) -> dict:
+    """TRL DPO (beta > 0: a reference model) for 3 steps: stock with the checkpoint's path, and behind the mixin
+    with the policy and the reference model both loaded on rank 0 only."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    import hf_zeropp
+
+    data = Dataset.from_dict({"prompt": [f"x{i} =" for i in range(32)], "chosen": [f" {i * 7}" for i in range(32)],
+                              "rejected": [" none" for _ in range(32)]})
+    options = dict(per_device_train_batch_size=2, learning_rate=1e-3, adam_epsilon=1e-6, bf16=False, max_steps=3,
+                   max_length=32, beta=0.1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                   seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stock = DPOTrainer(model=path, args=DPOConfig(output_dir=f"{workdir}/stock", **options), train_dataset=data,
+                       processing_class=tokenizer)
+    stock.train()
+    trainer_class = type("ZeroPPDPOTrainer", (hf_zeropp.ZeroPPTrainerMixin, DPOTrainer), {})
+    ours = trainer_class(model=hf_zeropp.from_pretrained(AutoModelForCausalLM, path),
+                         ref_model=hf_zeropp.from_pretrained(AutoModelForCausalLM, path),
+                         args=hf_zeropp.with_zeropp_field(DPOConfig)(output_dir=f"{workdir}/zero3", zeropp="zero3",
+                                                                     **options),
+                         train_dataset=data, processing_class=tokenizer)
+    ours.train()
+
+    def losses(trainer) -> list[float]:
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    return {"stock": losses(stock), "zero3": losses(ours), "reference_sharded": hasattr(ours.ref_model, "_zeropp")}
+
+
+def test_a_trl_reference_model_loaded_on_rank_0_alone_is_sharded_and_dpo_equals_stock(tmp_path):
+    pytest.importorskip("trl", reason="TRL is optional (pip install hf_zeropp[rlhf])")
+    path = str(tmp_path / "base")
+    save_tiny_gpt2_with_tokenizer(path)
+    for result in run_distributed(_dpo_losses, 4, path, str(tmp_path), node_size=2):
+        assert result["reference_sharded"], result
+        assert len(result["stock"]) == 3 and result["zero3"] == pytest.approx(result["stock"], rel=1e-6), result

@@ -77,3 +77,19 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def save_tiny_gpt2_with_tokenizer(directory) -> None:
+    """A tiny GPT-2 and the offline stdlib tokenizer, saved so that TRL can load them — and, from the same path,
+    build its reference model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_zeropp.data import stdlib_tokenizer
+
+    tokenizer = stdlib_tokenizer(300)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
