@@ -8,8 +8,8 @@ what each rank holds) and takes a path for each:
 * ``meta`` — every rank built the model on the meta device (``torch.device("meta")``, accelerate's
   ``init_empty_weights``): FSDP2 shards the empty model, each rank allocates only its shards, and the model's own
   init fills them. Each FSDP unit in turn exists in full for the moment its modules are initialised, in the order
-  the model initialises them (transformers' ``initialize_weights``; ``reset_parameters`` of every module in
-  ``modules()`` order otherwise), and is then cut to this rank's shard — every rank draws the same random numbers,
+  the model initialises them (transformers' ``initialize_weights``; otherwise every module's ``reset_parameters``,
+  children before their parent), and is then cut to this rank's shard — every rank draws the same random numbers,
   so the shards are exactly those of that init run on the full model. Peak: the root unit (embeddings, head,
   final norm) plus one block in full.
 * ``rank0`` — rank 0 holds real weights (``from_pretrained``), the others the same model on the meta device
@@ -89,25 +89,39 @@ def frozen_weight_source(layout: str, topology: Topology) -> Callable[[torch.Ten
     group = topology.world_mesh.get_group()
 
     def from_rank0(weight: torch.Tensor) -> torch.Tensor:
-        values = weight.detach() if topology.rank == 0 else torch.empty(weight.shape, dtype=weight.dtype,
-                                                                         device=topology.device_type)
-        values = values.to(topology.device_type)
+        values = (weight.detach().to(topology.device_type) if topology.rank == 0
+                  else torch.empty(weight.shape, dtype=weight.dtype, device=topology.device_type))
         dist.broadcast(values, src=0, group=group)
         return values
 
     return from_rank0
 
 
-def allocate_shards(model: nn.Module, device: torch.device) -> None:
-    """Give every meta parameter and buffer of the (already sharded) ``model`` uninitialised memory on ``device``.
+def fill_shards(model: nn.Module, layout: str, rank0_state: dict[str, torch.Tensor], topology: Topology,
+                device: torch.device) -> None:
+    """Give the shards of the just-sharded ``model`` their values under ``layout`` (``real``: they have them)."""
+    if layout == REAL:
+        return
+    allocated = _allocate_shards(model, device) if layout == META or topology.rank != 0 else []
+    if layout == META:
+        initialize_from_meta(model, allocated)
+    else:
+        load_from_rank0(model, rank0_state, topology)
+
+
+def _allocate_shards(model: nn.Module, device: torch.device) -> list[tuple[nn.Module, str]]:
+    """Give every meta parameter and buffer of the (already sharded) ``model`` uninitialised memory on ``device``;
+    returns the buffer slots that were on the meta device.
 
     FSDP2 allocates only this rank's shard of each parameter. Buffers that are already real (accelerate's
     ``init_empty_weights`` keeps them) keep their values."""
-    real_buffers = [(module, name, buffer) for module in model.modules()
-                    for name, buffer in module._buffers.items() if buffer is not None and not buffer.is_meta]
+    slots = [(module, name, buffer) for module in model.modules()
+             for name, buffer in module._buffers.items() if buffer is not None]
     model.to_empty(device=device)
-    for module, name, buffer in real_buffers:
-        module._buffers[name] = buffer.to(device)
+    for module, name, buffer in slots:
+        if not buffer.is_meta:
+            module._buffers[name] = buffer.to(device)
+    return [(module, name) for module, name, buffer in slots if buffer.is_meta]
 
 
 def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor], topology: Topology) -> None:
@@ -124,19 +138,19 @@ def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor], topol
             dist.broadcast(buffer, src=0, group=group)
 
 
-def initialize_from_meta(model: nn.Module) -> None:
+def initialize_from_meta(model: nn.Module, allocated_buffers: list[tuple[nn.Module, str]]) -> None:
     """Fill the shards of a model built on the meta device with its own init, unit by unit (module docstring).
 
     Raises if the init changed a unit's shards after that unit was cut (an init that reaches into other modules'
-    weights from a module above them), or left a buffer that was on the meta device unset: either would leave
-    values no eager init gives."""
+    weights from a module above them), or left one of ``allocated_buffers`` (those that were on the meta device)
+    unset: either would leave values no eager init gives."""
     units = {id(m): m for m in model.modules() if isinstance(m, FSDPModule)}
     owners = _owning_units(model, units)
     sharded_slots: dict[tuple[int, str], DTensor] = {}  # (id(module), name) -> its sharded parameter, while full
     materialized: set[int] = set()
     cut: dict[int, int] = {}  # id(sharded parameter) -> version of its local shard when it was cut
-    buffers = [(module, name, b, b._version) for module in model.modules()
-               for name, b in module._buffers.items() if b is not None]
+    buffers = [(module, name, module._buffers[name], module._buffers[name]._version)
+               for module, name in allocated_buffers]
 
     def before(module: nn.Module) -> None:
         unit = owners[id(module)]

@@ -35,16 +35,7 @@ from .config import ResolvedConfig, ZeroPPConfig
 from .frozen import quantize_frozen_weights
 from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
 from .hpz import reshard_all, set_hpz, shared_hpz_mesh
-from .materialize import (
-    META,
-    RANK0,
-    REAL,
-    agree_on_layout,
-    allocate_shards,
-    frozen_weight_source,
-    initialize_from_meta,
-    load_from_rank0,
-)
+from .materialize import RANK0, REAL, agree_on_layout, fill_shards, frozen_weight_source
 from .topology import Topology, get_topology
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,13 +119,8 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     # named as the original class from here on (transformers judges by the class's module whether a model is its own
     # code, which decides how its init treats modules without parameters)
     model.__class__ = _zeropp_class(type(model), original_class)
-    if layout == META or (layout == RANK0 and topology.rank != 0):
-        allocate_shards(model, device)
-    if layout == META:
-        initialize_from_meta(model)
-    elif layout == RANK0:
-        load_from_rank0(model, rank0_state, topology)
-        del rank0_state  # rank 0's full copy goes now
+    fill_shards(model, layout, rank0_state, topology, device)
+    del rank0_state  # rank 0's full copy goes now
 
     if callable(getattr(model, "generate", None)):
         # generate() calls forward without the root module's __call__: let FSDP gather the root's weights for it

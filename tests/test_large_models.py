@@ -47,6 +47,17 @@ class PlainNet(nn.Module):
         return self.head(self.blocks(self.embed(input_ids)))
 
 
+class BufferedNet(PlainNet):
+    """A plain model with a constant buffer its init never touches: accelerate's init_empty_weights keeps it real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 24), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(input_ids) * self.scale))
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -62,16 +73,25 @@ def _build(family: str):
 
     return {"gpt2_tied": lambda: GPT2LMHeadModel(_gpt2_config(tie=True)),
             "llama": lambda: LlamaForCausalLM(_llama_config()),
-            "plain": PlainNet}[family]()
+            "plain": PlainNet, "plain_real_buffers": BufferedNet}[family]()
+
+
+def _build_empty(family: str):
+    """On the meta device: everything under torch.device("meta"); with accelerate's init_empty_weights the
+    parameters only (buffers stay real)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights() if family == "plain_real_buffers" else torch.device("meta"):
+        return _build(family)
 
 
 def _eager_reference(family: str, seed: int) -> nn.Module:
     """The model built eagerly, then initialised by its own init with RNG seeded at ``seed``: for transformers
     models ``initialize_weights`` (constructors draw random numbers first, which a meta build cannot replay), for
     the plain model its construction itself."""
-    if family == "plain":
+    if family.startswith("plain"):
         torch.manual_seed(seed)
-        return PlainNet()
+        return _build(family)
     model = _build(family)
     for tensor_or_module in (*model.modules(), *model.parameters(), *model.buffers()):
         tensor_or_module.__dict__.pop("_is_hf_initialized", None)
@@ -100,8 +120,7 @@ def _meta_init_of(family: str) -> dict:
     results = {}
     for name, options in CONFIGS.items():
         torch.manual_seed(7)
-        with torch.device("meta"):
-            model = _build(family)
+        model = _build_empty(family)
         hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**options))
         got = full_parameters(model)
         buffers_equal = all(torch.equal(b, dict(reference.named_buffers())[n]) for n, b in model.named_buffers())
@@ -119,9 +138,10 @@ def _meta_init_of(family: str) -> dict:
 
 def test_a_meta_model_is_initialised_shard_by_shard_as_its_own_init_does_in_full():
     """Stages 0-3 and ZeRO++, GPT-2 (tied embeddings, scaled residual init from the block's modules), Llama
-    (rotary buffers set by the init) and a plain torch model: the shards equal the eager model's init with the same
-    seed, bit for bit."""
-    families = ["gpt2_tied", "llama", "plain"]
+    (rotary buffers set by the init), a plain torch model, and one built with accelerate's init_empty_weights (its
+    buffers stay real and keep their values): the shards equal the eager model's init with the same seed, bit for
+    bit."""
+    families = ["gpt2_tied", "llama", "plain", "plain_real_buffers"]
     for rank_result in run_distributed(_meta_init_matches_eager, 4, families, node_size=2):
         assert len(rank_result) == len(families) * len(CONFIGS)
         for key, result in rank_result.items():
