@@ -3,14 +3,14 @@
 // hf_zeropp/kernels/reference.py is the specification and this file matches it bit for bit: fp32 arithmetic with
 // single roundings (built with -ffp-contract=off, no -ffast-math), IEEE division x / scale, round half to even,
 // and the same counter-based uniform draw for stochastic rounding. The Python dispatcher in
-// hf_zeropp/kernels/__init__.py validates arguments and allocates outputs; the functions here check what they are
-// given again and fill the outputs in place.
+// hf_zeropp/kernels/__init__.py validates arguments; the functions here check what they are given again and fill
+// the outputs in place. They are the CPU kernels of torch.ops.hf_zeropp.* (torch_ops.h registers them).
 //
 // Work is split over (row, block) items with at::parallel_for. Inner loops are plain, branch-free loops over one
 // block (or one kChunk-sized piece of it) so that gcc vectorizes them at the baseline ISA (SSE2 / NEON): the
 // build has no -march=native because the cached extension must run on any x86-64 or aarch64 machine.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "counter_hash.h"
+#include "torch_ops.h"
 
 namespace {
 
@@ -46,9 +47,7 @@ constexpr float qmax() {
   return kBits == 8 ? 127.0f : 7.0f;
 }
 
-constexpr int64_t packed_length(int64_t length, int64_t bits) {
-  return bits == 8 ? length : (length + 1) / 2;
-}
+using hf_zeropp::packed_length;
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -638,24 +637,4 @@ void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t 
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "hf_zeropp block quantization kernels for the CPU (see hf_zeropp/kernels/reference.py)";
-  // The kernels touch no Python objects; releasing the GIL lets other Python threads (e.g. communication) run.
-  const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("quantize_", &quantize_, "x (rows, L) -> codes (rows, Lc) int8, scales (rows, nb) fp32, in place",
-        py::arg("x"), py::arg("bits"), py::arg("block_size"), py::arg("stochastic"), py::arg("seed"),
-        py::arg("hadamard"), py::arg("codes"), py::arg("scales"), no_gil);
-  m.def("dequantize_", &dequantize_, "codes, scales -> out (rows, L) as code * scale, in place", py::arg("codes"),
-        py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("hadamard"), py::arg("out"), no_gil);
-  m.def("swizzle_quantize_", &swizzle_quantize_, "ZeRO++ reorder of flat x fused with quantize, in place",
-        py::arg("x"), py::arg("nodes"), py::arg("node_size"), py::arg("stages"), py::arg("bits"),
-        py::arg("block_size"), py::arg("stochastic"), py::arg("seed"), py::arg("hadamard"), py::arg("codes"),
-        py::arg("scales"), no_gil);
-  m.def("dequant_reduce_quant_", &dequant_reduce_quant_,
-        "k quantized inputs -> fp32 sum in input order -> requantized with out_bits, in place", py::arg("codes"),
-        py::arg("scales"), py::arg("in_bits"), py::arg("block_size"), py::arg("length"), py::arg("out_bits"),
-        py::arg("stochastic"), py::arg("seed"), py::arg("out_codes"), py::arg("out_scales"), no_gil);
-  m.def("dequant_reduce_", &dequant_reduce_, "k quantized inputs -> fp32 sum in input order * scale -> out, in place",
-        py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("scale"),
-        py::arg("hadamard"), py::arg("out"), no_gil);
-}
+HF_ZEROPP_REGISTER_KERNELS(CPU)

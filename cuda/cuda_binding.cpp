@@ -1,4 +1,5 @@
-// torch binding of the CUDA block-quantization kernels (quant_kernels.cu): argument checks, device guard, stream.
+// torch binding of the CUDA block-quantization kernels (quant_kernels.cu): argument checks, device guard, stream;
+// registered as the CUDA kernels of torch.ops.hf_zeropp.* (torch_ops.h).
 //
 // Every function writes into caller-allocated outputs (out-parameter style), so that a collective's buffer can be
 // filled in place; shapes follow hf_zeropp/kernels/reference.py. Work is enqueued on the current stream of the
@@ -7,17 +8,17 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/safe_numerics.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include "quant_kernels.h"
+#include "torch_ops.h"
 
 namespace {
 
 using hf_zeropp::DType;
 
-int64_t packed_length(int64_t length, int64_t bits) { return bits == 8 ? length : (length + 1) / 2; }
-
-int64_t num_blocks(int64_t length, int64_t block_size) { return (length + block_size - 1) / block_size; }
+using hf_zeropp::num_blocks;
+using hf_zeropp::packed_length;
 
 void check_bits(int64_t bits, const char* name) {
   TORCH_CHECK(bits == 8 || bits == 4, name, "=", bits, " is not supported; use 8 or 4");
@@ -205,26 +206,4 @@ void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t 
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "hf_zeropp block-quantization kernels for CUDA tensors (format: hf_zeropp.kernels.reference)";
-  m.def("quantize_", &quantize_,
-        "x (rows, L) float32/float16/bfloat16 -> codes (rows, L or ceil(L/2)) int8, scales (rows, nb) float32",
-        py::arg("x"), py::arg("bits"), py::arg("block_size"), py::arg("stochastic"), py::arg("seed"),
-        py::arg("hadamard"), py::arg("codes"), py::arg("scales"));
-  m.def("dequantize_", &dequantize_, "codes (rows, Lc) int8, scales (rows, nb) float32 -> out (rows, L)",
-        py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("hadamard"),
-        py::arg("out"));
-  m.def("swizzle_quantize_", &swizzle_quantize_,
-        "flat x -> codes/scales of its nodes*node_size*stages slices, reordered for the hierarchical all-to-all",
-        py::arg("x"), py::arg("nodes"), py::arg("node_size"), py::arg("stages"), py::arg("bits"),
-        py::arg("block_size"), py::arg("stochastic"), py::arg("seed"), py::arg("hadamard"), py::arg("codes"),
-        py::arg("scales"));
-  m.def("dequant_reduce_quant_", &dequant_reduce_quant_,
-        "codes (k, rows, Lc), scales (k, rows, nb) -> fp32 sum over k, requantized into out_codes, out_scales",
-        py::arg("codes"), py::arg("scales"), py::arg("in_bits"), py::arg("block_size"), py::arg("length"),
-        py::arg("out_bits"), py::arg("stochastic"), py::arg("seed"), py::arg("out_codes"), py::arg("out_scales"));
-  m.def("dequant_reduce_", &dequant_reduce_,
-        "codes (k, rows, Lc), scales (k, rows, nb) -> (fp32 sum over k) * scale, cast into out (rows, L)",
-        py::arg("codes"), py::arg("scales"), py::arg("bits"), py::arg("block_size"), py::arg("scale"),
-        py::arg("hadamard"), py::arg("out"));
-}
+HF_ZEROPP_REGISTER_KERNELS(CUDA)

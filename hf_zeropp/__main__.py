@@ -1,11 +1,12 @@
-"""``python -m hf_zeropp env [--zeropp CONFIG] [--world N --node-size D]``: versions, kernel backends, the topology
-this launch would get and the resolved config — everything a bug report needs, without starting any process group.
+"""``python -m hf_zeropp env [--zeropp CONFIG] [--world N --node-size D]``: versions, kernel backends, the config
+and the topology this launch would get — everything a bug report needs, without starting any process group.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import platform
 import sys
@@ -22,8 +23,8 @@ def _version(package: str) -> str:
 
 def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
     from . import __version__, kernels
-    from .accelerate_integration import as_zeropp_config
-    from .launcher import node_size_from_environment
+    from .config import ZeroPPConfig
+    from .topology import Topology
 
     print(f"hf_zeropp {__version__}, Python {platform.python_version()} on {platform.platform()}")
     for package in ("torch", "transformers", "accelerate", "datasets", "safetensors", "peft", "trl"):
@@ -35,15 +36,20 @@ def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
         failure = kernels._build.failure(
             kernels._build.CPU_EXTENSION if device == "cpu" else kernels._build.CUDA_EXTENSION)
         print(f"  {device}: {backend}" + (f" (compiled backend failed: {failure.splitlines()[0]})" if failure else ""))
-    config = as_zeropp_config(zeropp)
+    if zeropp is not None and zeropp.lstrip().startswith("{"):  # a JSON dict, as the Trainer's --zeropp takes
+        zeropp = json.loads(zeropp)
+    config = ZeroPPConfig.coerce(zeropp, argument="--zeropp")
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    found = node_size_from_environment()
-    local = node_size or (found[0] if found else world)
     print("config:", {k: v for k, v in config.to_dict().items() if v not in (None, False)})
     try:
-        resolved = config.resolve(world, local)
-        print(f"topology: world {resolved.world_size} = {resolved.nodes} node(s) x {resolved.node_size} ranks; "
-              f"hpZ group size {resolved.hpz_size}")
+        # no process group: the node size comes from the config, --node-size or the launcher's variables
+        topology = Topology.from_config(config, world, local_world_size=node_size)
+        labels = {"given": "--node-size"}
+        if world > 1:
+            labels["a single process"] = "no launcher variable: one node assumed"
+        source = labels.get(topology.node_size_source, topology.node_size_source)
+        print(f"topology: world {topology.world_size} = {topology.nodes} node(s) x {topology.node_size} ranks "
+              f"(node size from {source}); hpZ group size {topology.hpz_size}")
     except ValueError as error:
         print(f"topology: INVALID for world {world}: {error}")
         return 1
@@ -53,8 +59,8 @@ def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_zeropp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    env_parser = sub.add_parser("env", help="print versions, kernel backends, topology and resolved config")
-    env_parser.add_argument("--zeropp", default=None, help="preset or config file (default: ZEROPP_* environment)")
+    env_parser = sub.add_parser("env", help="print versions, kernel backends, config and topology")
+    env_parser.add_argument("--zeropp", default=None, help="preset, config file or JSON dict (default: ZEROPP_* environment)")
     env_parser.add_argument("--world", type=int, default=None, help="world size (default: WORLD_SIZE or 1)")
     env_parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the launcher's, e.g. LOCAL_WORLD_SIZE)")
     args = parser.parse_args(argv)

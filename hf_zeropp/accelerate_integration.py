@@ -22,42 +22,13 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch import nn
 
+from ._compat import accelerator_models, accelerator_optimizers, accelerator_registry, is_accelerate_prepared
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
-from .config import PRESETS, ZeroPPConfig
+from .config import ZeroPPConfig
 from .sharding import clip_grad_norm_, rebind_optimizer, shard_model
 from .sharding import no_sync as zeropp_no_sync
 
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-
-
-def as_zeropp_config(zeropp: ZeroPPConfig | str | os.PathLike | dict | None) -> ZeroPPConfig:
-    """A config from a ZeroPPConfig, a preset name, a YAML/JSON path, a dict, or None (``ZEROPP_*`` environment).
-
-    ``ZEROPP_NODE_SIZE``, when set, overrides the node size of any of them: node emulation is a property of the
-    launch, not of the recipe.
-    """
-    if zeropp is None:
-        return ZeroPPConfig.from_env()
-    if isinstance(zeropp, ZeroPPConfig):
-        config = zeropp
-    elif isinstance(zeropp, dict):
-        config = ZeroPPConfig.from_dict(zeropp)
-    elif isinstance(zeropp, (str, os.PathLike)):
-        text = str(zeropp)
-        if text in PRESETS:
-            config = ZeroPPConfig.preset(text)
-        elif not Path(text).exists() and "/" not in text and not text.endswith((".yaml", ".yml", ".json")):
-            raise ValueError(f"zeropp={text!r} is neither a preset ({sorted(PRESETS)}) nor an existing config file")
-        else:
-            config = ZeroPPConfig.from_file(text)
-    else:
-        raise TypeError(f"zeropp must be a ZeroPPConfig, preset name, path, dict or None; got {type(zeropp).__name__}")
-    node_size = os.environ.get("ZEROPP_NODE_SIZE")
-    if node_size:
-        if not node_size.strip().isdigit():
-            raise ValueError(f"ZEROPP_NODE_SIZE={node_size!r} is not a positive integer (ranks per node)")
-        config = dataclasses.replace(config, node_size=int(node_size))
-    return config
 
 
 def is_sharded(model: Any) -> bool:
@@ -68,14 +39,20 @@ class Accelerator(accelerate.Accelerator):
     """Drop-in ``accelerate.Accelerator`` that shards prepared models with hf_zeropp (ZeRO 0-3 + ZeRO++).
 
     ``zeropp`` is a :class:`ZeroPPConfig`, a preset name (``"zeropp"``), a YAML/JSON file (hf_zeropp or DeepSpeed
-    format) or None, which reads ``ZEROPP_CONFIG`` / ``ZEROPP_*`` environment variables. The Accelerator's
+    format), a dict, or None, which reads ``ZEROPP_CONFIG`` / ``ZEROPP_*`` environment variables
+    (:meth:`ZeroPPConfig.coerce`). A config with a schedule (``*_until``) is refused: nothing here knows the
+    training progress (use the Trainer integration, which passes ``zeropp_runs_schedule=True``, or call
+    :func:`hf_zeropp.set_techniques` yourself). The Accelerator's
     ``mixed_precision`` carries over to the sharding (FSDP2's mixed-precision policy: compute copies in bf16/fp16,
     fp32 master weights and optimizer state). A single-process run is left unsharded.
     """
 
     def __init__(self, *args: Any, zeropp: ZeroPPConfig | str | os.PathLike | dict | None = None,
-                 **kwargs: Any) -> None:
-        config = as_zeropp_config(zeropp)  # fail on a bad config before any process group work
+                 zeropp_runs_schedule: bool = False, **kwargs: Any) -> None:
+        config = ZeroPPConfig.coerce(zeropp, argument="zeropp")  # fail on a bad config before any process group work
+        if not zeropp_runs_schedule:
+            config.refuse_schedule("hf_zeropp.Accelerator")
+        self.zeropp_runs_schedule = zeropp_runs_schedule
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and not torch.cuda.is_available():
             # accelerate's torchrun path on a machine without GPUs: without this every process trains alone
@@ -121,14 +98,14 @@ class Accelerator(accelerate.Accelerator):
         Optimizers built on a model's parameters before the model was prepared — in the same call or in an earlier
         or later one — are pointed at the shards that replaced them (frozen weights stored INT8 are dropped)."""
         for model in (a for a in args if isinstance(a, nn.Module)):
-            if getattr(model, "_is_accelerate_prepared", False) or (
+            if is_accelerate_prepared(model) or (
                     is_sharded(model) and id(model) not in self._evaluation_models):
                 raise ValueError(
                     f"{type(model).__name__} was already prepared by this or another Accelerator; prepare each "
                     f"model once (pass the returned objects on)"
                 )
             if self.shards_models and not is_sharded(model):
-                shard_model(model, self.zeropp_config, device=self.device)
+                shard_model(model, self.zeropp_config, device=self.device, runs_schedule=self.zeropp_runs_schedule)
             self._evaluation_models.discard(id(model))
         for optimizer in (a for a in args if isinstance(a, torch.optim.Optimizer)):
             rebind_optimizer(optimizer)
@@ -143,12 +120,13 @@ class Accelerator(accelerate.Accelerator):
         if evaluation_mode and self.shards_models and not is_sharded(model) and self.zeropp_config.stage > 0:
             if self.freezes_for_evaluation(model):
                 model.requires_grad_(False)
-            shard_model(model, self.zeropp_config, device=self.device)
+            shard_model(model, self.zeropp_config, device=self.device, runs_schedule=self.zeropp_runs_schedule)
             self._evaluation_models.add(id(model))
         if not is_sharded(model):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        if model not in self._models:
-            self._models.append(model)
+        models = accelerator_models(self)
+        if model not in models:
+            models.append(model)
         return model
 
     def freezes_for_evaluation(self, model: nn.Module) -> bool:
@@ -170,7 +148,7 @@ class Accelerator(accelerate.Accelerator):
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         parameters = list(parameters)
-        if not any(is_sharded(m) for m in self._models):
+        if not any(is_sharded(m) for m in accelerator_models(self)):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         self.unscale_gradients()
         return clip_grad_norm_(parameters, max_norm, norm_type)
@@ -196,10 +174,11 @@ class Accelerator(accelerate.Accelerator):
         """Hide sharded models and their optimizers from Accelerate's own (rank-0, unsharded) save/load.
 
         A model's optimizers are looked up now, not at prepare time, so that every prepare order finds them."""
-        optimizers = [(wrapped, _unwrap_optimizer(wrapped)) for wrapped in self._optimizers]
+        models, all_optimizers = accelerator_models(self), accelerator_optimizers(self)
+        optimizers = [(wrapped, _unwrap_optimizer(wrapped)) for wrapped in all_optimizers]
         sharded = []
         hidden: set[int] = set()
-        for index, model in enumerate(self._models):
+        for index, model in enumerate(models):
             if not is_sharded(model):
                 continue
             params = {id(p) for p in model.parameters()}
@@ -213,13 +192,9 @@ class Accelerator(accelerate.Accelerator):
                         f"to its own optimizer)")
             sharded.append((index, model, [o for _, o in own]))
             hidden.update(id(w) for w, _ in own)
-        models, all_optimizers = self._models, self._optimizers
-        self._models = [m for m in models if not is_sharded(m)]
-        self._optimizers = [o for o in all_optimizers if id(o) not in hidden]
-        try:
+        with accelerator_registry(self, [m for m in models if not is_sharded(m)],
+                                  [o for o in all_optimizers if id(o) not in hidden]):
             yield sharded
-        finally:
-            self._models, self._optimizers = models, all_optimizers
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         with self._without_sharded() as sharded:

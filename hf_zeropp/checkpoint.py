@@ -14,7 +14,6 @@ reshards), the scheduler, every rank's RNG state, the step and ``extra`` (JSON) 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -155,7 +154,9 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     if _rank() == 0:
         rng_dir.mkdir(exist_ok=True)
     _barrier()
-    torch.save({**_rng_state(), "qgz_residuals": _qgz_residuals(model)}, rng_dir / f"rank{_rank()}.pt")
+    qgz_states = _qgz_states(model)
+    torch.save({**_rng_state(), "qgz_residuals": [state["error_feedback"] for state in qgz_states]},
+               rng_dir / f"rank{_rank()}.pt")
     if _rank() == 0:
         if scheduler is not None:
             torch.save(scheduler.state_dict(), partial / "scheduler.pt")
@@ -164,7 +165,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         zeropp = getattr(model, "_zeropp", None)
         if zeropp is not None:
             meta["zeropp_config"] = zeropp.config.to_dict()
-            meta["qgz_calls"] = _qgz_call_counts(model)
+            meta["qgz_calls"] = [state["calls"] for state in qgz_states]
         (partial / META_FILE).write_text(json.dumps(meta, indent=2))
     _commit(partial, directory)
     return directory
@@ -187,14 +188,13 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     _apply_dcp_state(model, optimizer, state)
     if scheduler is not None and (directory / "scheduler.pt").is_file():
         scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
-    _restore_qgz_call_counts(model, meta.get("qgz_calls"))
     rng_file = directory / _RNG_DIR / f"rank{_rank()}.pt"
     same_world = meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1)
-    if same_world and rng_file.is_file():
-        rank_state = torch.load(rng_file, weights_only=False)
-        if restore_rng:
-            _set_rng_state(rank_state)
-        _restore_qgz_residuals(model, rank_state.get("qgz_residuals"))
+    rank_state = torch.load(rng_file, weights_only=False) if same_world and rng_file.is_file() else {}
+    if restore_rng and rank_state:
+        _set_rng_state(rank_state)
+    residuals = rank_state.get("qgz_residuals")
+    _restore_qgz_states(model, meta.get("qgz_calls"), residuals)
     return meta
 
 
@@ -203,46 +203,20 @@ def _reduce_scatters(model: nn.Module) -> list:
     return getattr(getattr(model, "_zeropp", None), "reduce_scatters", None) or []
 
 
-def _qgz_call_counts(model: nn.Module) -> list[int] | None:
-    """How many times each qgZ reduce-scatter has run: its stochastic-rounding seed is derived from that count, so
-    a resumed run must continue the count to draw the same rounding as an uninterrupted one."""
-    counts = []
-    for reduce_scatter in _reduce_scatters(model):
-        calls = getattr(reduce_scatter, "_calls", None)
-        if not isinstance(calls, itertools.count):
-            return None  # not the counter this code knows: store nothing rather than something wrong
-        count = next(calls)  # itertools.count cannot be read without advancing it: read, then put back
-        reduce_scatter._calls = itertools.count(count)
-        counts.append(count)
-    return counts
+def _qgz_states(model: nn.Module) -> list[dict]:
+    """Each qgZ reduce-scatter's :meth:`~hf_zeropp.qgz.QuantizedReduceScatter.state_dict`."""
+    return [reduce_scatter.state_dict() for reduce_scatter in _reduce_scatters(model)]
 
 
-def _restore_qgz_call_counts(model: nn.Module, counts: list[int] | None) -> None:
+def _restore_qgz_states(model: nn.Module, calls: list[int] | None, residuals: list | None) -> None:
+    """Give each qgZ reduce-scatter its saved call count (rank 0's, from the metadata) and, on the same world size,
+    this rank's error-feedback residuals. Saved from a differently wrapped model, they are left out: seeds restart
+    and residuals start from zero (only rounding differs, by one step's worth)."""
     reduce_scatters = _reduce_scatters(model)
-    if not counts or len(counts) != len(reduce_scatters):
-        return  # saved without them, or from a differently wrapped model: seeds restart (only rounding differs)
-    for reduce_scatter, count in zip(reduce_scatters, counts):
-        if isinstance(getattr(reduce_scatter, "_calls", None), itertools.count):
-            reduce_scatter._calls = itertools.count(count)
-
-
-def _qgz_residuals(model: nn.Module) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]] | None]:
-    """Each qgZ reduce-scatter's error-feedback residuals (rank-local: they belong to this rank's partial sums)."""
-    return [{stage: tuple(q) for stage, q in feedback.residuals.items()}
-            if (feedback := getattr(reduce_scatter, "feedback", None)) is not None else None
-            for reduce_scatter in _reduce_scatters(model)]
-
-
-def _restore_qgz_residuals(model: nn.Module, saved: list | None) -> None:
-    reduce_scatters = _reduce_scatters(model)
-    if not saved or len(saved) != len(reduce_scatters):
-        return  # none saved, or another wrapping: feedback restarts from zero residuals (one step's rounding lost)
-    from .kernels import Quantized
-
-    for reduce_scatter, residuals in zip(reduce_scatters, saved):
-        feedback = getattr(reduce_scatter, "feedback", None)
-        if feedback is not None and residuals is not None:
-            feedback.residuals = {stage: Quantized(*q) for stage, q in residuals.items()}
+    for key, saved in (("calls", calls), ("error_feedback", residuals)):
+        if saved and len(saved) == len(reduce_scatters):
+            for reduce_scatter, value in zip(reduce_scatters, saved):
+                reduce_scatter.load_state_dict({key: value})
 
 
 def latest_checkpoint(root: str | os.PathLike, prefix: str = "checkpoint-") -> Path | None:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from ._compat import AllGather, ReduceScatter, in_backward
 from .topology import Topology
 
 
@@ -89,11 +89,6 @@ class CommMeter:
             self._errors.clear()
             self._implementations.clear()
         return result
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (FSDP's pre-backward all-gathers happen there)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def allgather_kind() -> str:

@@ -1,8 +1,12 @@
 """ZeroPPConfig: every knob of hf_zeropp, validated in one place.
 
 Checks that need no process group run when the config is built; checks against the launch (world size, ranks
-per node) run in :meth:`ZeroPPConfig.resolve` — still before any collective — so that a bad configuration fails
-on every rank with the same message instead of hanging a job.
+per node) run in :meth:`hf_zeropp.topology.Topology.from_config` — still before any collective — so that a bad
+configuration fails on every rank with the same message instead of hanging a job.
+
+Every field carries its documentation (``field(metadata={"doc": ...})``), the subject it belongs to, and, for an
+enumeration, a ``typing.Literal`` annotation that :meth:`ZeroPPConfig._check_fields` checks generically. The
+README's option table is :func:`option_table` (tests/test_config.py keeps the two equal).
 """
 
 from __future__ import annotations
@@ -14,20 +18,27 @@ import typing
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from .kernels.reference import MAX_HADAMARD, is_rotation_size
-from .launcher import detect_node_size
 
-STAGES = (0, 1, 2, 3)
-BITS = (4, 8)
-MIXED_PRECISION = ("no", "bf16", "fp16")
-REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-KERNEL_BACKENDS = ("reference", "cpp", "cuda")
 # Block sizes are kept to multiples of 8 so that every block starts 8-element aligned for vectorized kernels.
 BLOCK_ALIGNMENT = 8
+
+# The subjects the options are grouped by, in the order of the fields (and of the README's option table).
+SHARDING = "sharding"
+QWZ = "qwZ: quantized weights"
+HPZ = "hpZ: hierarchical weight partition"
+QGZ = "qgZ: quantized gradients"
+LAUNCH = "launch"
+KERNELS = "kernels"
+SCHEDULE = "schedules (Trainer integration only)"
+
+# ``*_until`` field -> the technique it switches off (set_techniques' keyword)
+SCHEDULED_TECHNIQUES = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
+                        "quantized_gradients_until": "quantized_gradients"}
 
 # DeepSpeed zero_optimization keys hf_zeropp maps onto its own fields.
 _DEEPSPEED_MAPPED = {
@@ -71,55 +82,93 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _option(default: Any, subject: str, doc: str, *, invalid: str = "is invalid; use {allowed}",
+            labels: dict[Any, str] | None = None) -> Any:
+    """A config field: its default, the subject it belongs to, its documentation (the README's option table), and
+    for an enumeration (a ``Literal`` annotation) how a value outside it is reported: ``invalid`` is formatted with
+    ``allowed``, the annotation's values (a value's entry in ``labels`` stands for it)."""
+    return field(default=default, metadata={"doc": doc, "subject": subject, "invalid": invalid,
+                                            "labels": labels or {}})
+
+
+_UNSUPPORTED = "is not supported; use {allowed}"
+
+
 @dataclass
 class ZeroPPConfig:
     """How a model is sharded and how its collectives communicate.
 
-    ``hpz_partition_size`` may be given as ``"node"`` (the ranks of one node) and is resolved at
-    :meth:`resolve`. ``node_size=None`` takes the launcher's ranks per node (or the ranks' host names); set it to
-    emulate several nodes on one machine.
+    ``hpz_partition_size`` may be given as ``"node"`` (the ranks of one node) and is resolved against the launch by
+    :meth:`hf_zeropp.topology.Topology.from_config`. ``node_size=None`` takes the launcher's ranks per node (or the
+    ranks' host names); set it to emulate several nodes on one machine. ``dataclasses.fields(ZeroPPConfig)`` carry
+    each option's documentation in ``metadata["doc"]``.
     """
 
-    stage: int = 3
-    quantized_weights: bool = False
-    hpz_partition_size: int | str = 1
-    quantized_gradients: bool = False
-    quantized_nontrainable_weights: bool = False
-    weight_bits: int = 8
-    gradient_bits: int = 4
-    gradient_intra_bits: int | None = None
-    block_size: int = 256
-    gradient_block_size: int | None = None
-    gradient_hadamard: int = 0
-    gradient_error_feedback: bool = False
-    gradient_full_precision_1d: bool = True
-    weight_full_precision_1d: bool = True
-    quantize_hpz_gather: bool = False
-    qgz_pipeline_stages: int = 1
-    stochastic_rounding: bool = False
-    node_size: int | None = None
-    mixed_precision: str = "no"
-    reduce_dtype: str = "fp32"
-    activation_checkpointing: bool = False
-    wrap_modules: list[str] | None = None
-    kernel_backend: str | None = None
-    seed: int = 0
-    quantized_weights_until: float | None = None
-    hpz_until: float | None = None
-    quantized_gradients_until: float | None = None
+    # ---------------------------------------------------------------- sharding
+    stage: Literal[0, 1, 2, 3] = _option(
+        3, SHARDING, "0 = plain data parallel (baseline), 1, 2, 3", labels={0: "0 (data parallel)"})
+    mixed_precision: Literal["no", "bf16", "fp16"] = _option(
+        "no", SHARDING, '"no", "bf16", "fp16": compute dtype; master weights and optimizer state stay fp32')
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = _option("fp32", SHARDING, "gradient reduction dtype")
+    wrap_modules: list[str] | None = _option(
+        None, SHARDING, "class names of the FSDP units (None = the model's `_no_split_modules`)")
+    activation_checkpointing: bool = _option(False, SHARDING, "recompute each transformer block in backward")
+    # ---------------------------------------------------------------- qwZ
+    quantized_weights: bool = _option(
+        False, QWZ, "qwZ: block-quantized forward all-gather (stages 1–3)")
+    weight_bits: Literal[8, 4] = _option(8, QWZ, "qwZ width (8 or 4)", invalid=_UNSUPPORTED)
+    block_size: int = _option(256, QWZ, "elements per quantization block (one fp32 scale each) for weights")
+    weight_full_precision_1d: bool = _option(
+        True, QWZ, "qwZ: 1-D parameters gathered in the compute dtype; False quantizes them with the matrices")
+    quantized_nontrainable_weights: bool = _option(
+        False, QWZ, "frozen weights stored as INT8 (LoRA / RLHF)")
+    # ---------------------------------------------------------------- hpZ
+    hpz_partition_size: int | Literal["node"] = _option(
+        1, HPZ, 'hpZ: secondary shard over this many ranks (`"node"` = ranks per node; 1 = off; stage 3)',
+        invalid="must be {allowed}")
+    quantize_hpz_gather: bool = _option(False, HPZ, "also quantize the node-local hpZ all-gather in backward")
+    # ---------------------------------------------------------------- qgZ
+    quantized_gradients: bool = _option(
+        False, QGZ, "qgZ: 2-hop quantized all-to-all instead of the gradient reduce-scatter (stages 1–3)")
+    gradient_bits: Literal[8, 4] = _option(4, QGZ, "qgZ width of the inter-node hop", invalid=_UNSUPPORTED)
+    gradient_intra_bits: Literal[8, 4] | None = _option(
+        None, QGZ, "qgZ width of the intra-node hop (None = `gradient_bits`)", invalid=_UNSUPPORTED)
+    gradient_block_size: int | None = _option(None, QGZ, "block size for gradients (None = `block_size`)")
+    gradient_hadamard: int = _option(
+        0, QGZ, "qgZ: Hadamard rotation group (0 = off; a power of two ≤ 128 dividing the gradient block size)")
+    gradient_error_feedback: bool = _option(
+        False, QGZ, "qgZ: error feedback on the inter-node requantization (8-bit residual, `numel / node_size` "
+                    "bytes per rank)")
+    gradient_full_precision_1d: bool = _option(
+        True, QGZ, "qgZ: 1-D parameters (biases, norm gains) reduce-scattered in the reduce dtype, as DeepSpeed's "
+                   "qgZ does; False quantizes them with the matrices")
+    qgz_pipeline_stages: int = _option(
+        1, QGZ, "qgZ pipeline stages (ZeRO++ Alg. 2): intra- and inter-node hops overlap")
+    stochastic_rounding: bool = _option(False, QGZ, "unbiased, seeded stochastic rounding in qgZ")
+    seed: int = _option(0, QGZ, "seed of stochastic rounding")
+    # ---------------------------------------------------------------- launch
+    node_size: int | None = _option(
+        None, LAUNCH, 'ranks per node; None = from the launch (see "Engine rules"). Set it to emulate nodes')
+    # ---------------------------------------------------------------- kernels
+    kernel_backend: Literal["reference", "cpp", "cuda"] | None = _option(
+        None, KERNELS, 'force "reference", "cpp" or "cuda" kernels')
+    # ---------------------------------------------------------------- schedules
+    quantized_weights_until: float | None = _option(
+        None, SCHEDULE, "switch qwZ off once this fraction of `max_steps` is done (None = never). Applied by the "
+                        "Trainer integration only: `shard_model` and `hf_zeropp.Accelerator` refuse a config that "
+                        "sets it (call `hf_zeropp.set_techniques` yourself instead)")
+    hpz_until: float | None = _option(
+        None, SCHEDULE, "as `quantized_weights_until`, for hpZ")
+    quantized_gradients_until: float | None = _option(
+        None, SCHEDULE, 'as `quantized_weights_until`, for qgZ (0.5 = the paper\'s "qgZ for the first 50 % of '
+                        'training")')
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self._check_types()
+        self._check_fields()
         if self.extra:
             raise ValueError(f"unknown hf_zeropp option(s) {sorted(self.extra)}; valid options: {_field_names()}")
-        if self.stage not in STAGES:
-            raise ValueError(f"stage={self.stage} is invalid; use 0 (data parallel), 1, 2 or 3")
-        for name in ("weight_bits", "gradient_bits"):
-            if getattr(self, name) not in BITS:
-                raise ValueError(f"{name}={getattr(self, name)} is not supported; use 8 or 4")
-        if self.gradient_intra_bits is not None and self.gradient_intra_bits not in BITS:
-            raise ValueError(f"gradient_intra_bits={self.gradient_intra_bits} is not supported; use 8, 4 or None")
+        self._check_enumerations()
         for name in ("block_size", "gradient_block_size"):
             value = getattr(self, name)
             if value is not None and (value < BLOCK_ALIGNMENT or value % BLOCK_ALIGNMENT):
@@ -130,19 +179,11 @@ class ZeroPPConfig:
         self._check_gradient_hadamard()
         if self.qgz_pipeline_stages < 1:
             raise ValueError(f"qgz_pipeline_stages={self.qgz_pipeline_stages} must be >= 1")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"mixed_precision={self.mixed_precision!r} is invalid; use one of {MIXED_PRECISION}")
-        if self.reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype={self.reduce_dtype!r} is invalid; use one of {REDUCE_DTYPES}")
-        if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid; use one of {KERNEL_BACKENDS} or None")
         if self.node_size is not None and self.node_size < 1:
             raise ValueError(f"node_size={self.node_size} must be >= 1 (or None to detect it from the launch)")
-        if isinstance(self.hpz_partition_size, str) and self.hpz_partition_size != "node":
-            raise ValueError(f"hpz_partition_size={self.hpz_partition_size!r} must be an integer or 'node'")
         if isinstance(self.hpz_partition_size, int) and self.hpz_partition_size < 1:
             raise ValueError(f"hpz_partition_size={self.hpz_partition_size} must be >= 1 (1 turns hpZ off)")
-        for name in ("quantized_weights_until", "hpz_until", "quantized_gradients_until"):
+        for name in SCHEDULED_TECHNIQUES:
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"{name}={value} must be a fraction of max_steps in (0, 1], e.g. 0.5")
@@ -159,7 +200,9 @@ class ZeroPPConfig:
             raise ValueError(f"{name}={block} is not a multiple of gradient_hadamard={size}: a rotation group may "
                              f"not straddle two quantization blocks; use {name}={-(-block // size) * size}")
 
-    def _check_types(self) -> None:
+    def _check_fields(self) -> None:
+        """Every field's value against the type of its annotation (an integer where a float is expected becomes a
+        float)."""
         hints = typing.get_type_hints(type(self))
         for f in fields(self):
             if f.name == "extra":
@@ -172,6 +215,17 @@ class ZeroPPConfig:
                 raise TypeError(
                     f"{f.name}={value!r} has type {type(value).__name__}; expected {_describe(hints[f.name])}"
                 )
+
+    def _check_enumerations(self) -> None:
+        """Every field annotated with a ``Literal``: its value is one of the literal's (or of the other types the
+        annotation allows); the error names the field, the value and the allowed values."""
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            hint = hints[f.name]
+            value = getattr(self, f.name)
+            if _outside_literal(value, hint):
+                allowed = _allowed(hint, f.metadata.get("labels", {}))
+                raise ValueError(f"{f.name}={value!r} " + f.metadata["invalid"].format(allowed=allowed))
 
     def _check_stage_supports_options(self) -> None:
         hpz_on = self.hpz_partition_size != 1
@@ -189,7 +243,64 @@ class ZeroPPConfig:
                     f"set stage=3 or turn {name} off"
                 )
 
+    # ---------------------------------------------------------------- schedules
+
+    def schedule(self) -> dict[str, float]:
+        """The ``*_until`` fields that are set: ``{field: fraction of max_steps}``."""
+        return {name: getattr(self, name) for name in SCHEDULED_TECHNIQUES if getattr(self, name) is not None}
+
+    def refuse_schedule(self, entry_point: str) -> None:
+        """Raise if a ``*_until`` field is set: only the Trainer integration knows how far training is, so any other
+        entry point (``entry_point``, e.g. ``"shard_model"``) would silently never apply the schedule."""
+        schedule = self.schedule()
+        if not schedule:
+            return
+        names = ", ".join(f"{name}={value}" for name, value in schedule.items())
+        calls = "; ".join(f"hf_zeropp.set_techniques(model, {SCHEDULED_TECHNIQUES[name]}=False) once {value:.0%} of "
+                          f"the steps are done" for name, value in schedule.items())
+        raise ValueError(
+            f"{names}: schedules are applied only by the Trainer integration (ZeroPPTrainer / ZeroPPTrainerMixin, "
+            f"which knows the training progress); {entry_point} cannot tell how far training is and would ignore "
+            f"it. Train with the Trainer integration, or remove it from the config and call {calls}"
+        )
+
     # ---------------------------------------------------------------- constructors
+
+    @classmethod
+    def coerce(cls, value: ZeroPPConfig | str | os.PathLike | dict | None, *, argument: str = "config"
+               ) -> ZeroPPConfig:
+        """A config from any of the forms hf_zeropp's entry points accept: a ZeroPPConfig, a preset name, a
+        YAML/JSON path (hf_zeropp or DeepSpeed format), a dict (hf_zeropp keys, ``{"preset": name, ...}`` or a
+        DeepSpeed config), or None (``ZEROPP_CONFIG`` / ``ZEROPP_*`` environment). ``argument`` names the value in
+        errors (the entry point's parameter).
+
+        ``ZEROPP_NODE_SIZE``, when set, overrides the node size of any of them: node emulation is a property of the
+        launch, not of the recipe.
+        """
+        if value is None:
+            return cls.from_env()
+        if isinstance(value, ZeroPPConfig):
+            config = value
+        elif isinstance(value, dict):
+            config = cls.from_dict(value)
+        elif isinstance(value, (str, os.PathLike)):
+            text = os.fspath(value)
+            if text in PRESETS:
+                config = cls.preset(text)
+            elif not Path(text).exists() and "/" not in text and not text.endswith((".yaml", ".yml", ".json")):
+                raise ValueError(f"{argument}={text!r} is neither a preset ({sorted(PRESETS)}) nor an existing "
+                                 f"config file")
+            else:
+                config = cls.from_file(text)
+        else:
+            raise TypeError(f"{argument} must be a ZeroPPConfig, preset name, path, dict or None; got "
+                            f"{type(value).__name__}")
+        node_size = os.environ.get("ZEROPP_NODE_SIZE")
+        if node_size:
+            if not node_size.strip().isdigit():
+                raise ValueError(f"ZEROPP_NODE_SIZE={node_size!r} is not a positive integer (ranks per node)")
+            config = dataclasses.replace(config, node_size=int(node_size))
+        return config
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ZeroPPConfig:
@@ -302,63 +413,44 @@ class ZeroPPConfig:
         values.pop("extra")
         return values
 
-    # ---------------------------------------------------------------- launch-dependent checks
-
-    def resolve(self, world_size: int, local_world_size: int | None = None) -> ResolvedConfig:
-        """Check the config against the launch and fill in ``node_size`` and ``hpz_partition_size``.
-
-        The node size is, in order: ``node_size`` of this config (``ZEROPP_NODE_SIZE``), ``local_world_size`` if
-        given, the launcher's variables (``LOCAL_WORLD_SIZE``, SLURM, Open MPI, MPICH, MVAPICH), or the ranks' host
-        names (a collective; see :mod:`hf_zeropp.launcher`)."""
-        if self.node_size is not None:
-            node_size, source = self.node_size, "node_size in the hf_zeropp config"
-        elif local_world_size is not None:
-            node_size, source = local_world_size, "given"
-        else:
-            node_size, source = detect_node_size(world_size)
-        if node_size > world_size or world_size % node_size:
-            raise ValueError(
-                f"node_size={node_size} does not divide the world size {world_size} (node size from {source}); set "
-                f"node_size to the number of ranks per node (a divisor of {world_size})"
-            )
-        hpz = node_size if self.hpz_partition_size == "node" else int(self.hpz_partition_size)
-        if hpz > world_size or world_size % hpz:
-            raise ValueError(
-                f"hpz_partition_size={hpz} must divide the world size {world_size}; use the number of ranks per "
-                f"node ({node_size}) or a divisor of it"
-            )
-        if hpz > 1 and node_size % hpz:
-            raise ValueError(
-                f"hpz_partition_size={hpz} does not fit in a node of {node_size} ranks: its backward all-gather "
-                f"would cross nodes; use {node_size} ('node') or a divisor of it"
-            )
-        return ResolvedConfig(self, world_size=world_size, node_size=node_size, hpz_size=hpz,
-                              node_size_source=source)
-
-
-@dataclass(frozen=True)
-class ResolvedConfig:
-    """A config checked against a launch: sizes are concrete integers."""
-
-    config: ZeroPPConfig
-    world_size: int
-    node_size: int
-    hpz_size: int
-    node_size_source: str = "given"
-
-    @property
-    def nodes(self) -> int:
-        return self.world_size // self.node_size
 
 
 def _field_names() -> list[str]:
     return [f.name for f in fields(ZeroPPConfig) if f.name != "extra"]
 
 
+def option_table() -> str:
+    """The README's option table (markdown), from the fields: subject rows, then each option's default and doc."""
+    lines = ["| option | default | meaning |", "|---|---|---|"]
+    subject = None
+    for f in fields(ZeroPPConfig):
+        if f.name == "extra":
+            continue
+        if f.metadata["subject"] != subject:
+            subject = f.metadata["subject"]
+            lines.append(f"| **{subject}** | | |")
+        lines.append(f"| `{f.name}` | {render_default(f.default)} | {f.metadata['doc']} |")
+    return "\n".join(lines)
+
+
+def render_default(value: Any) -> str:
+    """A default as the README writes it: strings in double quotes, everything else as Python prints it."""
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def _union_args(hint: Any) -> tuple:
+    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        return typing.get_args(hint)
+    return (hint,)
+
+
 def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` has a type ``hint`` allows (a ``Literal``'s values are checked by :func:`_outside_literal`)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
         return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if origin is Literal:
+        return any(_matches(value, type(arg)) for arg in typing.get_args(hint))
     if hint is type(None):
         return value is None
     if origin is list:
@@ -374,12 +466,48 @@ def _matches(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
+def _outside_literal(value: Any, hint: Any) -> bool:
+    """Whether ``hint`` holds a ``Literal`` and ``value`` is none of its values nor of the annotation's other types."""
+    args = _union_args(hint)
+    if not any(typing.get_origin(arg) is Literal for arg in args):
+        return False
+    for arg in args:
+        if typing.get_origin(arg) is Literal:
+            if any(type(value) is type(allowed) and value == allowed for allowed in typing.get_args(arg)):
+                return False
+        elif _matches(value, arg):
+            return False
+    return True
+
+
+def _allowed(hint: Any, labels: dict[Any, str]) -> str:
+    """The values ``hint`` allows, in words: ``0 (data parallel), 1, 2 or 3``, ``one of ('no', 'bf16', 'fp16')``,
+    ``8, 4 or None``, ``an integer or 'node'``."""
+    items = []
+    for arg in _union_args(hint):
+        if typing.get_origin(arg) is Literal:
+            values = typing.get_args(arg)
+            if len(values) > 1 and all(isinstance(v, str) for v in values):
+                items.append(f"one of {values!r}")
+            else:
+                items += [labels.get(v, repr(v)) for v in values]
+        elif arg is type(None):
+            items.append("None")
+        elif arg is int:
+            items.append("an integer")
+        else:
+            items.append(_describe(arg))
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
 def _describe(hint: Any) -> str:
     args = typing.get_args(hint)
     if typing.get_origin(hint) is list:
         return f"a list of {_describe(args[0])}"
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(dict.fromkeys(type(a).__name__ for a in args))
     if args:
-        return " or ".join(_describe(a) for a in args)
+        return " or ".join(dict.fromkeys(_describe(a) for a in args))
     return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 

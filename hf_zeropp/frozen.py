@@ -34,9 +34,10 @@ class FrozenInt8Weight:
     """One frozen weight: this rank's INT8 shard (and hpZ slice), gathered and dequantized on use."""
 
     def __init__(self, weight: torch.Tensor, topology: Topology, meter: CommMeter, bits: int,
-                 block_size: int) -> None:
+                 block_size: int, backend: kernels.Backend | None = None) -> None:
         self.shape, self.dtype, self.numel, self.device = weight.shape, weight.dtype, weight.numel(), weight.device
         self.topology, self.meter, self.bits, self.block_size = topology, meter, bits, block_size
+        self.backend = backend
         self.shard_numel = -(-self.numel // topology.world_size)
         hpz = topology.hpz_mesh
         if hpz is not None:  # this rank's 1/k slice of the node's copy: every later gather stays in the node
@@ -56,7 +57,8 @@ class FrozenInt8Weight:
         world = self.topology.world_size
         rows = torch.zeros(world * self.shard_numel, dtype=self.dtype, device=self.device)
         rows[: self.numel] = weight.detach().reshape(-1).to(rows.device, self.dtype)
-        codes, scales = kernels.quantize(rows.view(world, self.shard_numel), self.bits, self.block_size)
+        codes, scales = kernels.quantize(rows.view(world, self.shard_numel), self.bits, self.block_size,
+                                         backend=self.backend)
         self.codes = codes.view(self._parts, -1)[self._position].clone()
         self.scales = scales.view(self._parts, -1)[self._position].clone()
 
@@ -68,11 +70,11 @@ class FrozenInt8Weight:
         gathered_codes, gathered_scales = all_gather_packed([self.codes, self.scales], self.group)
         self.meter.record("frozen_allgather", self.group, nbytes(self.codes) + nbytes(self.scales),
                           f"frozen int{self.bits} weight all_gather" + (" (hpZ copy)" if self.uses_hpz else "")
-                          + f", kernels {kernels.active_backend(self.codes.device)}")
+                          + f", kernels {kernels.active_backend(self.codes.device, self.backend)}")
         world = self.topology.world_size
         weight = kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(torch.float32).view(world, -1),
-                                    bits=self.bits,
-                                    block_size=self.block_size, length=self.shard_numel, dtype=dtype)
+                                    bits=self.bits, block_size=self.block_size, length=self.shard_numel, dtype=dtype,
+                                    backend=self.backend)
         return weight.view(-1)[: self.numel].view(self.shape)
 
 
@@ -122,7 +124,7 @@ def _forward_for(module: nn.Module):
 def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMeter, bits: int, block_size: int,
                             compute_dtype: torch.dtype,
                             values: Callable[[torch.Tensor], torch.Tensor] = lambda weight: weight,
-                            ) -> dict[str, FrozenInt8Weight]:
+                            backend: kernels.Backend | None = None) -> dict[str, FrozenInt8Weight]:
     """Replace every frozen floating weight of a Linear/Conv1D/Embedding by INT8 shards; returns them by name.
 
     Tied weights (one Parameter used by several modules) share one store. Non-floating frozen tensors, frozen
@@ -142,7 +144,8 @@ def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMet
             continue
         store = stores.get(id(weight))
         if store is None:
-            store = stores[id(weight)] = FrozenInt8Weight(values(weight), topology, meter, bits, block_size)
+            store = stores[id(weight)] = FrozenInt8Weight(values(weight), topology, meter, bits, block_size,
+                                                                backend)
         del module._parameters["weight"]
         # a shape/dtype-only stand-in, for code (peft, generation utilities) that inspects `.weight`
         module.weight = torch.empty(store.shape, dtype=weight.dtype, device="meta")

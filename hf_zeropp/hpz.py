@@ -15,20 +15,25 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard import _fully_shard as _fully_shard_impl
-from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
-from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
+from ._compat import (
+    fsdp_param_groups,
+    group_is_sharded,
+    group_reshards_after_forward,
+    hsdp_mesh_info,
+    post_forward_mesh_info_override,
+    set_post_forward_mesh_info,
+)
 from .topology import Topology
 
 
 @functools.lru_cache(maxsize=None)
-def _mesh_info(topology: Topology) -> HSDPMeshInfo:
-    return HSDPMeshInfo(topology.hpz_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+def _mesh_info(topology: Topology) -> Any:
+    return hsdp_mesh_info(topology.hpz_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
 @contextlib.contextmanager
@@ -39,18 +44,14 @@ def shared_hpz_mesh(topology: Topology) -> Iterator[None]:
         yield
         return
     shared = _mesh_info(topology)
-    build = _fully_shard_impl._get_post_forward_mesh_info
 
     def post_forward_mesh_info(reshard_after_forward, mesh_info):
         if type(reshard_after_forward) is int and reshard_after_forward == topology.hpz_size:
             return shared
-        return build(reshard_after_forward, mesh_info)
+        return None  # FSDP's own
 
-    _fully_shard_impl._get_post_forward_mesh_info = post_forward_mesh_info
-    try:
+    with post_forward_mesh_info_override(post_forward_mesh_info):
         yield
-    finally:
-        _fully_shard_impl._get_post_forward_mesh_info = build
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -74,14 +75,10 @@ def set_hpz(model: nn.Module, topology: Topology, enabled: bool) -> None:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            if group.post_forward_mesh_info is None:
+        for group in fsdp_param_groups(module):
+            if not group_reshards_after_forward(group):
                 continue  # a unit that keeps its weights gathered after forward (stage 1/2): nothing to reshard
-            if any(p.sharded_state != ShardedState.SHARDED for p in group.fsdp_params):
+            if not group_is_sharded(group):
                 raise RuntimeError("switch hpZ between optimizer steps, not during a backward pass")
-            info = _mesh_info(topology) if enabled else group.mesh_info
-            group.post_forward_mesh_info = info
-            for param in group.fsdp_params:
-                param.post_forward_mesh_info = info
-                param._init_sharded_post_forward_param_metadata(torch.empty(param._orig_size, device="meta"))
+            set_post_forward_mesh_info(group, _mesh_info(topology) if enabled else None)  # None: the group's own
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._compat import fsdp_param_group, group_parameters, group_shard_world_size
+
 
 class VectorSlices:
     """The positions of a unit's 1-D parameters in one rank's part of a collective's flat buffer.
@@ -27,15 +29,15 @@ class VectorSlices:
         self.trainable_only = trainable_only
 
     def positions(self, rank_numel: int, group_size: int, device: torch.device) -> torch.Tensor | None:
-        group = self.module._get_fsdp_state()._fsdp_param_group
+        group = fsdp_param_group(self.module)
         if group is None:
             return None
-        params = [p for p in group.fsdp_params if p.sharded_param.requires_grad or not self.trainable_only]
-        world = group.mesh_info.shard_mesh_size
+        params = [(p, n) for p, n in group_parameters(group) if p.requires_grad or not self.trainable_only]
+        world = group_shard_world_size(group)
         offset, spans = 0, []
-        for param in params:
-            length = param.padded_sharded_param_size.numel() * world // group_size
-            if param.sharded_param.dim() == 1:
+        for param, padded_numel in params:
+            length = padded_numel * world // group_size
+            if param.dim() == 1:
                 spans.append(torch.arange(offset, offset + length, device=device))
             offset += length
         if offset != rank_numel:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._compat import local_tensor, run_init_with_hooks
 from .topology import Topology
 
 REAL, META, RANK0 = "real", "meta", "rank0"
@@ -186,22 +187,7 @@ def _run_own_init(model: nn.Module, before: Callable, after: Callable) -> None:
     if isinstance(model, PreTrainedModel):
         # transformers' own traversal (children first, each sub-model with its own _init_weights), with every
         # model's per-module hook wrapped
-        wrapped = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-
-        def wrap(original: Callable) -> Callable:
-            def initialize(module: nn.Module, *args: Any, **kwargs: Any) -> None:
-                before(module)
-                original(module, *args, **kwargs)
-                after(module)
-            return initialize
-
-        for sub in wrapped:
-            sub._initialize_weights = wrap(sub._initialize_weights)
-        try:
-            model.initialize_weights()
-        finally:
-            for sub in wrapped:
-                del sub._initialize_weights
+        run_init_with_hooks(model, before, after)
         return
     # torch's convention: every module's reset_parameters, children before their parent (so that a unit is cut as
     # soon as its last module is done); for modules built in the order they are registered, the order
@@ -273,4 +259,4 @@ def _cut(unit: nn.Module, units: dict[int, nn.Module], sharded_slots: dict[tuple
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    return param._local_tensor if isinstance(param, DTensor) else param
+    return local_tensor(param)

@@ -21,20 +21,17 @@ stages are zero-padded. What ran is recorded in ``comm_stats(...)["implementatio
 from __future__ import annotations
 
 import functools
-import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import kernels
+from ._compat import ReduceScatter
 from .comm_meter import CommMeter, MeteredReduceScatter, _PlainAlloc, check_sum, nbytes
 from .layout import VectorSlices
+from .config import ZeroPPConfig
 from .topology import Topology
-
-if TYPE_CHECKING:
-    from .sharding import ZeroPPState
 
 
 class BlockQuantizedPayload:
@@ -43,23 +40,26 @@ class BlockQuantizedPayload:
     With ``hadamard`` the rows are rotated before the first quantization and rotated back only after the last
     reduction: the middle reduction sums rotated rows, which is the rotated sum."""
 
-    def __init__(self, block_size: int, stochastic: bool, hadamard: int = 0) -> None:
+    def __init__(self, block_size: int, stochastic: bool, hadamard: int = 0,
+                 backend: kernels.Backend | None = None) -> None:
         self.block_size = block_size
         self.stochastic = stochastic
         self.hadamard = hadamard
+        self.backend = backend
 
     def swizzle(self, flat, nodes, node_size, stages, bits, seed):
         return kernels.swizzle_quantize(flat, nodes, node_size, stages, bits, self.block_size,
-                                        stochastic=self.stochastic, seed=seed, hadamard=self.hadamard)
+                                        stochastic=self.stochastic, seed=seed, hadamard=self.hadamard,
+                                        backend=self.backend)
 
     def reduce_requantize(self, payload, scales, in_bits, out_bits, length, seed):
         return kernels.dequant_reduce_quant(payload, scales, in_bits=in_bits, out_bits=out_bits,
                                             block_size=self.block_size, length=length, stochastic=self.stochastic,
-                                            seed=seed)
+                                            seed=seed, backend=self.backend)
 
     def reduce(self, payload, scales, bits, length, out) -> None:
         kernels.dequant_reduce(payload, scales, bits=bits, block_size=self.block_size, length=length,
-                               dtype=out.dtype, out=out, hadamard=self.hadamard)
+                               dtype=out.dtype, out=out, hadamard=self.hadamard, backend=self.backend)
 
 
 class ErrorFeedback:
@@ -73,27 +73,39 @@ class ErrorFeedback:
     scale per block) per rank for a unit of ``numel`` parameters, for as long as qgZ is on.
     """
 
-    def __init__(self, block_size: int, stochastic: bool) -> None:
+    def __init__(self, block_size: int, stochastic: bool, backend: kernels.Backend | None = None) -> None:
         self.block_size = block_size
         self.stochastic = stochastic
+        self.backend = backend
         self.residuals: dict[int, kernels.Quantized] = {}
 
     def reduce_requantize(self, stage: int, payload: torch.Tensor, scales: torch.Tensor, in_bits: int,
                           out_bits: int, length: int, seed: int) -> kernels.Quantized:
         """BlockQuantizedPayload.reduce_requantize with the stage's residual added to the fp32 partial sums before
         requantizing (in the payload's domain: rotated rows stay rotated), and the new residual kept."""
+        backend = self.backend
         partial_sums = kernels.dequant_reduce(payload, scales, bits=in_bits, block_size=self.block_size,
-                                              length=length)
+                                              length=length, backend=backend)
         residual = self.residuals.get(stage)
         if residual is not None and residual.codes.shape == partial_sums.shape:
-            partial_sums += kernels.dequantize(*residual, bits=8, block_size=self.block_size, length=length)
-        sent = kernels.quantize(partial_sums, out_bits, self.block_size, stochastic=self.stochastic, seed=seed)
-        dropped = partial_sums - kernels.dequantize(*sent, bits=out_bits, block_size=self.block_size, length=length)
-        self.residuals[stage] = kernels.quantize(dropped, 8, self.block_size)
+            partial_sums += kernels.dequantize(*residual, bits=8, block_size=self.block_size, length=length,
+                                               backend=backend)
+        sent = kernels.quantize(partial_sums, out_bits, self.block_size, stochastic=self.stochastic, seed=seed,
+                                backend=backend)
+        dropped = partial_sums - kernels.dequantize(*sent, bits=out_bits, block_size=self.block_size, length=length,
+                                                    backend=backend)
+        self.residuals[stage] = kernels.quantize(dropped, 8, self.block_size, backend=backend)
         return sent
 
     def reset(self) -> None:
         self.residuals.clear()
+
+    def state_dict(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The residual of every pipeline stage as (codes, scales); rank-local, like the partial sums."""
+        return {stage: tuple(residual) for stage, residual in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.residuals = {int(stage): kernels.Quantized(*residual) for stage, residual in state.items()}
 
 
 class FullPrecisionPayload:
@@ -120,11 +132,15 @@ def _sum_in_order(stacked: torch.Tensor) -> torch.Tensor:
     return total
 
 
+PROFILER_RANGE = "hf_zeropp.qgz.reduce_scatter"  # what torch.profiler shows for one call, kernels and collectives
+
+
 class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
     def __init__(self, meter: CommMeter, topology: Topology, intra_bits: int, inter_bits: int, block_size: int,
                  stages: int, stochastic: bool, seed: int, enabled: bool = True, hadamard: int = 0,
                  error_feedback: bool = False, vector_slices: VectorSlices | None = None,
-                 payload: BlockQuantizedPayload | FullPrecisionPayload | None = None) -> None:
+                 payload: BlockQuantizedPayload | FullPrecisionPayload | None = None,
+                 backend: kernels.Backend | None = None) -> None:
         self.meter = meter
         self.topology = topology
         self.intra_bits = intra_bits
@@ -135,16 +151,22 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.seed = seed
         self.enabled = enabled  # schedules switch qgZ off and on between steps
         self.hadamard = hadamard
-        self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard)
-        self.feedback = ErrorFeedback(block_size, stochastic) if error_feedback else None
+        self.backend = backend
+        self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard, backend)
+        self.feedback = ErrorFeedback(block_size, stochastic, backend) if error_feedback else None
         self.vector_slices = vector_slices
-        self._calls = itertools.count()
+        self.calls = 0  # stochastic-rounding seeds derive from it (see _seed)
         self._plain = MeteredReduceScatter(meter)
         self._plain_vectors = MeteredReduceScatter(meter, "qgz_1d_full_precision")
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
         check_sum(op)
+        with torch.profiler.record_function(PROFILER_RANGE):
+            return self._reduce_scatter(output_tensor, input_tensor, group, op)
+
+    def _reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                        op: Any) -> None:
         topo = self.topology
         if not self.enabled:
             if self.feedback is not None:
@@ -239,12 +261,26 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         source = kernels.swizzle_source_slices(topo.nodes, topo.node_size, self.stages).to(chunks.device)
         rows = chunks.reshape(-1, slice_len)[source]
         restored = kernels.dequantize(payload, scales, bits=bits, block_size=self.block_size, length=slice_len,
-                                      hadamard=self.hadamard)
+                                      hadamard=self.hadamard, backend=self.backend)
         self.meter.record_error("qgz_intra" if topo.node_size > 1 else "qgz_inter", rows, restored)
 
     def _seed(self) -> int:
         """A fresh seed per call and rank, so stochastic rounding errors are independent across steps and ranks."""
-        return (self.seed * 1_000_003 + next(self._calls) * 7919 + self.topology.rank * 104_729) & 0xFFFFFFFF
+        self.calls += 1
+        return (self.seed * 1_000_003 + (self.calls - 1) * 7919 + self.topology.rank * 104_729) & 0xFFFFFFFF
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue exactly as an uninterrupted one: the call count (the
+        stochastic-rounding seeds derive from it; equal on every rank) and the error-feedback residuals (this rank's
+        own: they belong to its partial sums)."""
+        return {"calls": self.calls, "error_feedback": self.feedback.state_dict() if self.feedback else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave; a missing entry leaves that part as it is."""
+        if state.get("calls") is not None:
+            self.calls = int(state["calls"])
+        if self.feedback is not None and state.get("error_feedback") is not None:
+            self.feedback.load_state_dict(state["error_feedback"])
 
     def _all_to_all(self, payload: torch.Tensor, scales: torch.Tensor, group: dist.ProcessGroup, kind: str):
         """Start an all-to-all of equal row blocks; returns a function that waits for it and gives
@@ -276,7 +312,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
                 + (", inter-node error feedback (8-bit residual)" if self.feedback is not None else "")
                 + (", 1-D parameters in full precision" if self.vector_slices is not None else "")
                 + (", stochastic rounding" if self.stochastic else "")
-                + (f", kernels {kernels.active_backend(device)}" if isinstance(self.payload, BlockQuantizedPayload)
+                + (f", kernels {kernels.active_backend(device, self.backend)}"
+                   if isinstance(self.payload, BlockQuantizedPayload)
                    else ""))
 
 
@@ -284,12 +321,12 @@ def _as_one_peer(payload: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Ten
     return payload.unsqueeze(0), scales.unsqueeze(0)
 
 
-def make_reduce_scatter(state: ZeroPPState, module: torch.nn.Module) -> QuantizedReduceScatter:
+def make_reduce_scatter(config: ZeroPPConfig, topology: Topology, meter: CommMeter,
+                        module: torch.nn.Module) -> QuantizedReduceScatter:
     """The qgZ reduce-scatter for the FSDP unit ``module``; with qgZ off it runs the plain metered reduce-scatter
     until a schedule switches it on."""
-    config = state.config
     return QuantizedReduceScatter(
-        state.meter, state.topology,
+        meter, topology,
         intra_bits=config.gradient_intra_bits or config.gradient_bits,
         inter_bits=config.gradient_bits,
         block_size=config.gradient_block_size or config.block_size,
@@ -300,4 +337,5 @@ def make_reduce_scatter(state: ZeroPPState, module: torch.nn.Module) -> Quantize
         hadamard=config.gradient_hadamard,
         error_feedback=config.gradient_error_feedback,
         vector_slices=VectorSlices(module, trainable_only=True) if config.gradient_full_precision_1d else None,
+        backend=config.kernel_backend,
     )

@@ -16,24 +16,24 @@ values, against 0.007 for matrices.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from . import kernels
+from ._compat import AllGather
 from .comm_meter import CommMeter, _PlainAlloc, all_gather_single, allgather_kind, nbytes
 from .layout import VectorSlices
+from .config import ZeroPPConfig
 from .topology import Topology
 
-if TYPE_CHECKING:
-    from .sharding import ZeroPPState
+
+PROFILER_RANGE = "hf_zeropp.qwz.all_gather"  # what torch.profiler shows for one call, kernels and collective
 
 
 class QuantizedAllGather(_PlainAlloc, AllGather):
     def __init__(self, meter: CommMeter, topology: Topology, bits: int, block_size: int,
-                 quantize_node_local: bool, enabled: bool = True, vector_slices: VectorSlices | None = None) -> None:
+                 quantize_node_local: bool, enabled: bool = True, vector_slices: VectorSlices | None = None,
+                 backend: kernels.Backend | None = None) -> None:
         self.meter = meter
         self.topology = topology
         self.bits = bits
@@ -41,6 +41,7 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
         self.quantize_node_local = quantize_node_local
         self.enabled = enabled  # schedules switch qwZ off and on between steps
         self.vector_slices = vector_slices  # 1-D parameters travel unquantized (weight_full_precision_1d)
+        self.backend = backend
 
     def applies(self) -> bool:
         """Whether some gather of this launch is quantized: one that crosses nodes, or a node-local one with
@@ -55,6 +56,11 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
+        with torch.profiler.record_function(PROFILER_RANGE):
+            return self._gather(output_tensor, input_tensor, group, async_op)
+
+    def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                async_op: bool) -> dist.Work | None:
         kind = allgather_kind()
         if not self._quantizes(group):
             self.meter.record(kind, group, nbytes(input_tensor), f"all_gather {input_tensor.dtype}")
@@ -63,11 +69,11 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
         shard_numel = input_tensor.numel()
         original = input_tensor.clone() if self.meter.track_errors else None  # the output overwrites the input
         vectors, positions = self._take_vectors(kind, input_tensor, world)
-        codes, scales = kernels.quantize(input_tensor, self.bits, self.block_size)
+        codes, scales = kernels.quantize(input_tensor, self.bits, self.block_size, backend=self.backend)
         gathered = all_gather_packed([codes, scales, *vectors], group)
         rows = output_tensor.view(world, shard_numel)
         kernels.dequantize(gathered[0], gathered[1].view(torch.float32), bits=self.bits, block_size=self.block_size,
-                           length=shard_numel, dtype=output_tensor.dtype, out=rows)
+                           length=shard_numel, dtype=output_tensor.dtype, out=rows, backend=self.backend)
         if vectors:
             rows[:, positions] = gathered[2].view(output_tensor.dtype)
         if original is not None:
@@ -75,7 +81,7 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
         self.meter.record(kind, group, sum(nbytes(t) for t in (codes, scales, *vectors)),
                           f"qwZ int{self.bits} all_gather (block {self.block_size})"
                           + (f", 1-D parameters in {input_tensor.dtype}" if vectors else "")
-                          + f", kernels {kernels.active_backend(input_tensor.device)}")
+                          + f", kernels {kernels.active_backend(input_tensor.device, self.backend)}")
         return None
 
     def _take_vectors(self, kind: str, shard: torch.Tensor, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -113,11 +119,12 @@ def all_gather_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> 
     return parts
 
 
-def make_all_gather(state: ZeroPPState, module: torch.nn.Module) -> QuantizedAllGather:
+def make_all_gather(config: ZeroPPConfig, topology: Topology, meter: CommMeter,
+                    module: torch.nn.Module) -> QuantizedAllGather:
     """The qwZ all-gather for the FSDP unit ``module``; with qwZ off it runs the plain metered gather until a
     schedule switches it on."""
-    config = state.config
-    return QuantizedAllGather(state.meter, state.topology, config.weight_bits, config.block_size,
+    return QuantizedAllGather(meter, topology, config.weight_bits, config.block_size,
                               config.quantize_hpz_gather, enabled=config.quantized_weights,
                               vector_slices=(VectorSlices(module, trainable_only=False)
-                                             if config.weight_full_precision_1d else None))
+                                             if config.weight_full_precision_1d else None),
+                              backend=config.kernel_backend)

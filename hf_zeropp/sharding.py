@@ -29,13 +29,21 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import kernels
+from ._compat import (
+    apply_activation_checkpointing,
+    fsdp_param_groups,
+    group_gathered_bytes,
+    group_parameters,
+    no_split_modules,
+)
 from .comm_meter import CommMeter, in_backward
-from .config import ResolvedConfig, ZeroPPConfig
+from .config import ZeroPPConfig
 from .frozen import quantize_frozen_weights
 from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
 from .hpz import reshard_all, set_hpz, shared_hpz_mesh
 from .materialize import RANK0, REAL, agree_on_layout, fill_shards, frozen_weight_source
+from .qgz import make_reduce_scatter
+from .qwz import make_all_gather
 from .topology import Topology, get_topology
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,7 +54,6 @@ class ZeroPPState:
     """What shard_model attaches to the model (``model._zeropp``)."""
 
     config: ZeroPPConfig
-    resolved: ResolvedConfig
     topology: Topology
     meter: CommMeter
     units: list[nn.Module]
@@ -55,20 +62,26 @@ class ZeroPPState:
     hpz_enabled: bool = False
 
 
-def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | None = None,
-                *, device: torch.device | str | None = None) -> nn.Module:
+def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dict | None = None,
+                *, device: torch.device | str | None = None, runs_schedule: bool = False) -> nn.Module:
     """Shard ``model`` in place with ZeRO ``config.stage`` (+ ZeRO++ options) and return it.
 
-    ``config`` is a :class:`ZeroPPConfig`, a preset name (``"zeropp"``), a YAML/JSON path, or None for
-    ``ZEROPP_*`` environment variables. Build the optimizer *after* this call, on ``model.parameters()``: the
-    parameters are then this rank's shards, so optimizer state is sharded by construction. Every check runs
-    before the first collective.
+    ``config`` is anything :meth:`ZeroPPConfig.coerce` takes: a :class:`ZeroPPConfig`, a preset name
+    (``"zeropp"``), a YAML/JSON path, a dict, or None for ``ZEROPP_*`` environment variables. Build the optimizer
+    *after* this call, on ``model.parameters()``: the parameters are then this rank's shards, so optimizer state is
+    sharded by construction. Every check runs before the first collective.
+
+    A config with a schedule (``quantized_weights_until``, ``hpz_until``, ``quantized_gradients_until``) is refused:
+    only the Trainer integration, which passes ``runs_schedule=True``, applies it; elsewhere call
+    :func:`set_techniques` at the point the schedule names.
 
     The model may hold real weights on every rank, be built on the meta device on every rank (the model's own
     init fills only this rank's shards), or hold real weights on rank 0 only (:func:`hf_zeropp.from_pretrained`;
     rank 0 sends them): see :mod:`hf_zeropp.materialize`.
     """
-    config = _as_config(config)
+    config = ZeroPPConfig.coerce(config)
+    if not runs_schedule:
+        config.refuse_schedule("shard_model")
     if getattr(model, "_zeropp", None) is not None:
         raise ValueError("this model is already sharded by hf_zeropp; call shard_model once per model")
     if not dist.is_available() or not dist.is_initialized():
@@ -76,13 +89,9 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
             "shard_model needs torch.distributed initialised: launch with torchrun or accelerate launch, "
             "or call torch.distributed.init_process_group first"
         )
-    resolved = config.resolve(dist.get_world_size())
     device = torch.device(device) if device is not None else _default_device()
+    topology = get_topology(config, device.type)  # launch checks (node and hpZ sizes); builds no group yet
     _units(model, config.wrap_modules)  # a wrap_modules that matches nothing fails before any collective
-    if config.kernel_backend is not None:
-        kernels.set_default_backend(config.kernel_backend)  # validated by the config
-
-    topology = get_topology(resolved, device.type)
     # all ranks build every group now, in order
     _ = topology.world_mesh, topology.node_mesh, topology.hpz_mesh, topology.control_group
     meter = CommMeter(topology)
@@ -96,7 +105,8 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
         _make_initial_state_equal(model, topology)
     if config.quantized_nontrainable_weights:
         quantize_frozen_weights(model, topology, meter, config.weight_bits, config.block_size,
-                                _DTYPES[config.mixed_precision], frozen_weight_source(layout, topology))
+                                _DTYPES[config.mixed_precision], frozen_weight_source(layout, topology),
+                                backend=config.kernel_backend)
     units = _units(model, config.wrap_modules)
     if config.activation_checkpointing:
         _enable_activation_checkpointing(model, units)
@@ -111,8 +121,8 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
             fully_shard(unit, mesh=replicated, reshard_after_forward=False, mp_policy=mp_policy)
     else:
         reshard: bool | int = config.stage == 3
-        if config.stage == 3 and resolved.hpz_size > 1:
-            reshard = resolved.hpz_size
+        if config.stage == 3 and topology.hpz_size > 1:
+            reshard = topology.hpz_size
         with shared_hpz_mesh(topology):
             for unit in [*units, model]:
                 fully_shard(unit, mesh=topology.world_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
@@ -129,7 +139,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | Non
     _install_optimizer_hooks()
     for param in model.parameters():  # lets an optimizer step find the model whose gathered copies it makes stale
         param._zeropp_model = weakref.ref(model)
-    state = ZeroPPState(config, resolved, topology, meter, units, hpz_enabled=topology.hpz_mesh is not None)
+    state = ZeroPPState(config, topology, meter, units, hpz_enabled=topology.hpz_mesh is not None)
     _install_comms(model, state)
     model._zeropp = state
     _report_techniques_that_cannot_apply(state)
@@ -164,7 +174,7 @@ def _report_techniques_that_cannot_apply(state: ZeroPPState) -> None:
     """Warn once (rank 0) about every requested technique this launch cannot apply, and say so in comm_stats."""
     config, topology = state.config, state.topology
     where = (f"all {topology.world_size} ranks are on one node (node size {topology.node_size} from "
-             f"{state.resolved.node_size_source})")
+             f"{topology.node_size_source})")
     reasons = {}
     if config.quantized_weights and topology.nodes == 1 and not config.quantize_hpz_gather:
         reasons["quantized_weights"] = f"qwZ quantizes only gathers that cross nodes, and {where}"
@@ -324,18 +334,6 @@ def _install_optimizer_hooks() -> None:
     _hooks_installed = True
 
 
-def _as_config(config: ZeroPPConfig | str | os.PathLike | None) -> ZeroPPConfig:
-    if config is None:
-        return ZeroPPConfig.from_env()
-    if isinstance(config, ZeroPPConfig):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        from .config import PRESETS
-
-        return ZeroPPConfig.preset(str(config)) if str(config) in PRESETS else ZeroPPConfig.from_file(config)
-    raise TypeError(f"config must be a ZeroPPConfig, a preset name, a file path or None; got {type(config).__name__}")
-
-
 def _default_device() -> torch.device:
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -348,7 +346,7 @@ def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
     Blocks come from ``wrap_modules`` or the model's ``_no_split_modules`` (transformers' list of layer classes
     that must stay whole). Tied embeddings stay with the root, so the shared weight lives in one unit.
     """
-    names = wrap_modules if wrap_modules is not None else list(getattr(model, "_no_split_modules", None) or [])
+    names = wrap_modules if wrap_modules is not None else no_split_modules(model)
     blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     if wrap_modules and not blocks:
         raise ValueError(f"wrap_modules={wrap_modules} matches no submodule of {type(model).__name__}; "
@@ -375,8 +373,6 @@ def _enable_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -
     if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
     block_ids = {id(u) for u in units}
     apply_activation_checkpointing(model, check_fn=lambda m: id(m) in block_ids)
 
@@ -393,15 +389,13 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 def _install_comms(model: nn.Module, state: ZeroPPState) -> None:
     """Give every FSDP unit hf_zeropp's all-gather and reduce-scatter, and make FSDP request plain SUMs."""
-    from .qgz import make_reduce_scatter
-    from .qwz import make_all_gather
-
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         if state.config.stage == 0:
             module.set_all_reduce_hook(_allreduce_meter(state.meter, state.topology))
             continue
-        all_gather, reduce_scatter = make_all_gather(state, module), make_reduce_scatter(state, module)
+        all_gather = make_all_gather(state.config, state.topology, state.meter, module)
+        reduce_scatter = make_reduce_scatter(state.config, state.topology, state.meter, module)
         module.set_custom_all_gather(all_gather)
         module.set_custom_reduce_scatter(reduce_scatter)
         state.all_gathers.append(all_gather)
@@ -526,9 +520,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
     # FSDP's world-sharded parameters: between a forward and its backward (or after a no-grad forward) a unit's
     # registered parameters are its gathered or hpZ-sharded ones instead
-    fsdp_params = [param for module in fsdp_modules(model) for group in module._get_fsdp_state()._fsdp_param_groups
-                   for param in group.fsdp_params]
-    shards = [param.sharded_param for param in fsdp_params] if fsdp_params else list(model.parameters())
+    fsdp_params = [param for module in fsdp_modules(model) for group in fsdp_param_groups(module)
+                   for param, _ in group_parameters(group)]
+    shards = fsdp_params if fsdp_params else list(model.parameters())
     result = {
         "parameters": sum(size(t) for t in shards) + frozen_weight_bytes(model),
         "gradients": sum(size(t.grad) for t in shards if t.grad is not None),
@@ -545,18 +539,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 def gathered_parameter_bytes(model: nn.Module) -> int:
     """Bytes of gathered weights this rank holds right now beyond its shards: full unsharded parameters of units
     that are not resharded, plus hpZ's post-forward (secondary) slices."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    total = 0
-    for module in fsdp_modules(model):
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for param in group.fsdp_params:
-                if param.sharded_state == ShardedState.UNSHARDED:
-                    total += sum(t.untyped_storage().nbytes() for t in param.all_gather_outputs)
-                elif param.sharded_state == ShardedState.SHARDED_POST_FORWARD:
-                    data = param._sharded_post_forward_param_data
-                    total += data.numel() * data.element_size()
-    return total
+    return sum(group_gathered_bytes(group) for module in fsdp_modules(model) for group in fsdp_param_groups(module))
 
 
 __all__ = ["active_techniques", "clip_grad_norm_", "comm_stats", "fsdp_modules", "gathered_parameter_bytes", "no_sync",

@@ -1,4 +1,9 @@
-"""Where each rank sits: world, nodes, and the process groups ZeRO++ needs, built once per launch.
+"""Where each rank sits: world, nodes, hpZ group size, and the process groups ZeRO++ needs, built once per launch.
+
+:meth:`Topology.from_config` checks a :class:`~hf_zeropp.config.ZeroPPConfig` against a launch (world size, ranks
+per node) and fills in the node size (recording where it came from) and the hpZ group size; it needs no process
+group, so ``python -m hf_zeropp env`` shows the topology of a launch before it happens. :func:`get_topology` builds
+it for the live process group, once per launch; the meshes and groups are built lazily, on first use.
 
 Ranks are numbered node by node (rank = node * node_size + local_rank), as torchrun and accelerate number them.
 One 2-D device mesh ``(nodes, node_size)`` gives both the intra-node group (a row) and the inter-node group
@@ -17,16 +22,56 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import ResolvedConfig
+from ._compat import process_group_timeout
+from .config import ZeroPPConfig
+from .launcher import detect_node_size
 
 
 @dataclass(frozen=True)
 class Topology:
+    """A launch: ``world_size`` ranks in nodes of ``node_size`` (found from ``node_size_source``), this ``rank``,
+    hpZ groups of ``hpz_size`` ranks (1 = off), collectives on ``device_type``."""
+
     world_size: int
     rank: int
     node_size: int
     device_type: str
     hpz_size: int
+    node_size_source: str = "given"
+
+    @classmethod
+    def from_config(cls, config: ZeroPPConfig, world_size: int, *, rank: int = 0, device_type: str = "cpu",
+                    local_world_size: int | None = None) -> Topology:
+        """Check ``config`` against a launch of ``world_size`` ranks and fill in the node and hpZ sizes.
+
+        The node size is, in order: ``node_size`` of the config (``ZEROPP_NODE_SIZE``), ``local_world_size`` if
+        given, the launcher's variables (``LOCAL_WORLD_SIZE``, SLURM, Open MPI, MPICH, MVAPICH), or the ranks' host
+        names (a collective, only when a process group is initialised; see :mod:`hf_zeropp.launcher`). Builds no
+        process group: the meshes and groups are built on first use."""
+        if config.node_size is not None:
+            node_size, source = config.node_size, "node_size in the hf_zeropp config"
+        elif local_world_size is not None:
+            node_size, source = local_world_size, "given"
+        else:
+            node_size, source = detect_node_size(world_size)
+        if node_size > world_size or world_size % node_size:
+            raise ValueError(
+                f"node_size={node_size} does not divide the world size {world_size} (node size from {source}); set "
+                f"node_size to the number of ranks per node (a divisor of {world_size})"
+            )
+        hpz = node_size if config.hpz_partition_size == "node" else int(config.hpz_partition_size)
+        if hpz > world_size or world_size % hpz:
+            raise ValueError(
+                f"hpz_partition_size={hpz} must divide the world size {world_size}; use the number of ranks per "
+                f"node ({node_size}) or a divisor of it"
+            )
+        if hpz > 1 and node_size % hpz:
+            raise ValueError(
+                f"hpz_partition_size={hpz} does not fit in a node of {node_size} ranks: its backward all-gather "
+                f"would cross nodes; use {node_size} ('node') or a divisor of it"
+            )
+        return cls(world_size=world_size, rank=rank, node_size=node_size, device_type=device_type, hpz_size=hpz,
+                   node_size_source=source)
 
     @property
     def nodes(self) -> int:
@@ -88,8 +133,7 @@ def _peer_split(node_size: int, rank: int, ranks: tuple[int, ...]) -> tuple[int,
 def _world_timeout(device_type: str):
     """The default group's timeout, so that a hung peer fails collectives on every hf_zeropp group as soon as it
     fails them on the world group (a DeviceMesh's own groups would get torch's 30-minute default)."""
-    backend = dist.group.WORLD._get_backend(torch.device(device_type))
-    return getattr(getattr(backend, "options", None), "_timeout", None)
+    return process_group_timeout(dist.group.WORLD, device_type)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,20 +156,15 @@ def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> D
 _topologies: dict[tuple, Topology] = {}
 
 
-def get_topology(resolved: ResolvedConfig, device_type: str) -> Topology:
-    """The shared topology of this launch (one per node size, hpZ size and device type)."""
+def get_topology(config: ZeroPPConfig, device_type: str) -> Topology:
+    """The shared topology of this launch for ``config`` (one per node size, hpZ size, node-size source and device
+    type): :meth:`Topology.from_config` for the live process group. Every check runs before any group is built."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "hf_zeropp needs torch.distributed initialised (launch with torchrun / accelerate launch, or call "
             "torch.distributed.init_process_group first)"
         )
-    key = (resolved.world_size, resolved.node_size, resolved.hpz_size, device_type, id(dist.group.WORLD))
-    if key not in _topologies:
-        _topologies[key] = Topology(
-            world_size=resolved.world_size,
-            rank=dist.get_rank(),
-            node_size=resolved.node_size,
-            device_type=device_type,
-            hpz_size=resolved.hpz_size,
-        )
-    return _topologies[key]
+    topology = Topology.from_config(config, dist.get_world_size(), rank=dist.get_rank(), device_type=device_type)
+    key = (topology.world_size, topology.node_size, topology.hpz_size, topology.node_size_source, device_type,
+           id(dist.group.WORLD))
+    return _topologies.setdefault(key, topology)

@@ -17,13 +17,13 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .accelerate_integration import Accelerator, as_zeropp_config, is_sharded
+from ._compat import TrainerHooks, extend_valid_dict_fields, trainer_accelerator_class, trainer_save
+from .accelerate_integration import Accelerator, is_sharded
 from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_checkpoint, save_checkpoint
-from .config import ZeroPPConfig
+from .config import SCHEDULED_TECHNIQUES, ZeroPPConfig
 from .sharding import active_techniques, comm_stats, set_techniques, zeropp_state
 
-_SCHEDULED = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
-              "quantized_gradients_until": "quantized_gradients"}
+_SCHEDULED = SCHEDULED_TECHNIQUES  # ``*_until`` field -> the technique it switches off
 
 
 @functools.cache
@@ -42,9 +42,9 @@ def with_zeropp_field(args_class: type[TrainingArguments]) -> type[TrainingArgum
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            as_zeropp_config(self.zeropp)  # a bad value fails here, before any process group exists
+            ZeroPPConfig.coerce(self.zeropp, argument="zeropp")  # a bad value fails here, before any process group
 
-    WithZeroPP._VALID_DICT_FIELDS = [*args_class._VALID_DICT_FIELDS, "zeropp"]
+    extend_valid_dict_fields(WithZeroPP, args_class, "zeropp")
     WithZeroPP.__name__ = WithZeroPP.__qualname__ = f"ZeroPP{args_class.__name__}"
     WithZeroPP.__module__ = __name__
     globals()[WithZeroPP.__name__] = WithZeroPP
@@ -118,37 +118,32 @@ class ZeroPPCallback(TrainerCallback):
         return metrics
 
 
-class ZeroPPTrainerMixin:
+class ZeroPPTrainerMixin(TrainerHooks):
     """Put in front of ``Trainer`` or any Trainer subclass (TRL's SFT/DPO/GRPO trainers):
     ``class MyTrainer(ZeroPPTrainerMixin, SFTTrainer)``. The config comes from ``args.zeropp`` (with
     :class:`ZeroPPTrainingArguments`) or from ``ZEROPP_CONFIG`` / ``ZEROPP_*``."""
 
     def create_accelerator_and_postprocess(self) -> None:
-        import transformers.trainer as trainer_module
-
-        config = as_zeropp_config(getattr(self.args, "zeropp", None))
+        config = ZeroPPConfig.coerce(getattr(self.args, "zeropp", None), argument="zeropp")
         self.zeropp_config: ZeroPPConfig = config
-        original = trainer_module.Accelerator
-        trainer_module.Accelerator = functools.partial(Accelerator, zeropp=config)
-        try:
+        # the callback below applies the config's *_until schedule: tell the Accelerator (and shard_model)
+        with trainer_accelerator_class(functools.partial(Accelerator, zeropp=config, zeropp_runs_schedule=True)):
             super().create_accelerator_and_postprocess()
-        finally:
-            trainer_module.Accelerator = original
         # TRL prepares reference and reward models with evaluation_mode=True: frozen, they can be stored INT8
         self.accelerator.freezes_for_evaluation = self._is_auxiliary_model
-        schedule = {key: getattr(config, key) for key in _SCHEDULED if getattr(config, key) is not None}
-        self.zeropp_callback = ZeroPPCallback(schedule)
+        self.zeropp_callback = ZeroPPCallback(config.schedule())
 
     def _is_auxiliary_model(self, model: Any) -> bool:
         """A model this trainer evaluates but does not train (TRL's reference and reward models)."""
         return model is not getattr(self, "model", None) and model is not getattr(self, "model_wrapped", None)
 
-    def _move_model_to_device(self, model: Any, device: Any) -> None:
-        """A model on the meta device (built empty, or :func:`hf_zeropp.from_pretrained` on ranks other than 0) is
-        placed by sharding, which allocates only this rank's shards; moving it now would fail."""
+    def _zeropp_move_model_to_device(self, model: Any, device: Any, upstream: Any) -> None:
+        """The Trainer's ``_move_model_to_device`` (``upstream``; see :class:`TrainerHooks`). A model on the meta
+        device (built empty, or :func:`hf_zeropp.from_pretrained` on ranks other than 0) is placed by sharding, which
+        allocates only this rank's shards; moving it now would fail."""
         if any(param.is_meta for param in model.parameters()):
             return
-        super()._move_model_to_device(model, device)
+        upstream(model, device)
 
     def _zeropp_sharded(self) -> bool:
         return is_sharded(self.model)
@@ -175,20 +170,22 @@ class ZeroPPTrainerMixin:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.accelerator.get_state_dict(self.model)
-        self._save(output_dir, state_dict=state_dict)  # writes on rank 0 only (the model's save_pretrained)
+        trainer_save(self, output_dir, state_dict)  # writes on rank 0 only (the model's save_pretrained)
         # every rank returns once the folder is complete: the Trainer checks for it right after (transformers
         # 4.56 records the best checkpoint only if its folder exists on this rank)
         self.accelerator.wait_for_everyone()
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def _zeropp_save_optimizer_and_scheduler(self, output_dir: str, upstream: Any) -> None:
+        """The Trainer's ``_save_optimizer_and_scheduler`` (``upstream``; see :class:`TrainerHooks`)."""
         if not self._zeropp_sharded():
-            return super()._save_optimizer_and_scheduler(output_dir)
+            return upstream(output_dir)
         save_checkpoint(Path(output_dir) / TRAINER_OPTIMIZER_DIR, self.model, self.optimizer, self.lr_scheduler,
                         step=self.state.global_step, include_model=False)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _zeropp_load_optimizer_and_scheduler(self, checkpoint: str | None, upstream: Any) -> None:
+        """The Trainer's ``_load_optimizer_and_scheduler`` (``upstream``; see :class:`TrainerHooks`)."""
         if checkpoint is None or not (Path(checkpoint) / TRAINER_OPTIMIZER_DIR).is_dir():
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            return upstream(checkpoint)
         if not self._zeropp_sharded():
             raise ValueError(f"{checkpoint} holds hf_zeropp optimizer shards; resume it with a ZeroPP trainer")
         # the Trainer restores RNG itself from its own per-rank files

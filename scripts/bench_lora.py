@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_zeropp.spawn import run_distributed
+from hf_zeropp.testing.spawn import run_distributed
 
 CONFIGS = {
     "ZeRO-3, bf16 frozen weights": {"stage": 3, "mixed_precision": "bf16"},

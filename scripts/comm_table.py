@@ -26,7 +26,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from hf_zeropp.spawn import run_distributed
+from hf_zeropp.testing.spawn import run_distributed
 
 STAGE_CONFIGS = {
     "stage 0 (DDP)": {"stage": 0},
@@ -113,9 +113,9 @@ def _measure_options(configs: dict[str, dict], steps: int) -> dict:
     out = {}
     for name, (model, _, times) in runs.items():
         stats = hf_zeropp.comm_stats(model)["total"]
-        residual = sum(q.codes.numel() + 4 * q.scales.numel()
-                       for reduce_scatter in model._zeropp.reduce_scatters if reduce_scatter.feedback is not None
-                       for q in reduce_scatter.feedback.residuals.values())
+        residual = sum(codes.numel() + 4 * scales.numel()
+                       for reduce_scatter in model._zeropp.reduce_scatters
+                       for codes, scales in (reduce_scatter.state_dict()["error_feedback"] or {}).values())
         out[name] = {"step_s": sorted(times)[len(times) // 2], "intra": stats["intra_node"] / steps,
                      "inter": stats["inter_node"] / steps, "residual_bytes": residual,
                      "params": sum(p.numel() for p in model.parameters())}

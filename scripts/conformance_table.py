@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import test_conformance as conformance  # noqa: E402
 
-from hf_zeropp.spawn import run_distributed  # noqa: E402
+from hf_zeropp.testing.spawn import run_distributed  # noqa: E402
 
 MODES = ("stock", "zero3", "zeropp")
 

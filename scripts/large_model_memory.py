@@ -114,7 +114,7 @@ def main() -> None:
     # glibc's dynamic mmap threshold keeps freed multi-MB tensors in the heap, so RSS would show the allocator's
     # high-water mark instead of what the process holds; a fixed threshold returns them (set before the ranks start)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    from hf_zeropp.spawn import run_distributed
+    from hf_zeropp.testing.spawn import run_distributed
 
     gb = 1e9
     print(f"{args.world} ranks as {args.world // args.node_size} x {args.node_size}, preset {args.preset}, fp32, "

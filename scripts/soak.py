@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_zeropp.spawn import run_distributed  # noqa: E402
+from hf_zeropp.testing.spawn import run_distributed  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -51,7 +51,7 @@ def _soak(options: dict) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import hf_zeropp
-    from hf_zeropp.data import byte_sequences
+    from hf_zeropp.testing.corpus import byte_sequences
 
     torch.manual_seed(0)
     vocab, seq = 256, options["seq"]

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import hf_zeropp
 from hf_zeropp import Accelerator
-from hf_zeropp.data import byte_sequences
+from hf_zeropp.testing.corpus import byte_sequences
 
 
 class Progress:

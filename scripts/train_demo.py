@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zeropp
-from hf_zeropp.data import byte_sequences
+from hf_zeropp.testing.corpus import byte_sequences
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters()) * world  # shards add up to the model
-        print(f"hf_zeropp demo: {args.preset} on {world} ranks ({world // model._zeropp.resolved.node_size} "
+        print(f"hf_zeropp demo: {args.preset} on {world} ranks ({model._zeropp.topology.nodes} "
               f"emulated nodes), GPT-2 ~{params / 1e6:.1f}M params, {len(sequences)} sequences of "
               f"{args.seq_len} bytes", flush=True)
     hf_zeropp.comm_stats(model, reset=True)

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, IterableDataset
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, TrainerCallback
 
 import hf_zeropp
-from hf_zeropp.data import byte_sequences
+from hf_zeropp.testing.corpus import byte_sequences
 
 
 class PackedSequences(Dataset):

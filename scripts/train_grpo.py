@@ -69,7 +69,7 @@ def build_model(spec: dict[str, Any]):
         tokenizer = AutoTokenizer.from_pretrained(spec["name_or_path"])
         dtype = getattr(torch, spec.get("dtype", "bfloat16"))
         return AutoModelForCausalLM.from_pretrained(spec["name_or_path"], dtype=dtype), tokenizer
-    from hf_zeropp.data import stdlib_tokenizer
+    from hf_zeropp.testing.corpus import stdlib_tokenizer
 
     tokenizer = stdlib_tokenizer(int(spec.get("vocab_size", 512)))
     torch.manual_seed(int(spec.get("seed", 0)))

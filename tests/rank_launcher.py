@@ -1,7 +1,7 @@
 """Start one plain process per rank and watch every rank's exit code and exit time.
 
-``hf_zeropp.spawn.run_distributed`` collects return values and stops at the first error; torchrun's agent kills the
-surviving ranks as soon as one fails. Neither shows what a fault-tolerance test needs to see: whether *each*
+``hf_zeropp.testing.spawn.run_distributed`` collects return values and stops at the first error; torchrun's agent
+kills the surviving ranks as soon as one fails. Neither shows what a fault-tolerance test needs to see: whether *each*
 surviving rank notices a dead peer on its own and exits non-zero, and how long that takes.
 """
 

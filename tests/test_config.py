@@ -7,6 +7,7 @@ import json
 import pytest
 
 from hf_zeropp import PRESETS, ZeroPPConfig
+from hf_zeropp.topology import Topology
 
 
 def test_presets_and_dict_round_trip():
@@ -71,11 +72,13 @@ def test_from_env_with_file_and_overrides(tmp_path):
     assert ZeroPPConfig.from_env({"ZEROPP_HPZ_PARTITION_SIZE": "node", "ZEROPP_STAGE": "3"}).hpz_partition_size == "node"
 
 
-def test_resolve_fills_in_node_and_hpz_sizes():
-    resolved = ZeroPPConfig.preset("zeropp").resolve(world_size=8, local_world_size=4)
-    assert (resolved.node_size, resolved.hpz_size, resolved.nodes) == (4, 4, 2)
-    resolved = ZeroPPConfig(stage=3, node_size=2).resolve(world_size=8, local_world_size=8)
-    assert (resolved.node_size, resolved.hpz_size) == (2, 1)
+def test_topology_from_config_fills_in_node_and_hpz_sizes():
+    topology = Topology.from_config(ZeroPPConfig.preset("zeropp"), 8, local_world_size=4)
+    assert (topology.node_size, topology.hpz_size, topology.nodes) == (4, 4, 2)
+    assert (topology.rank, topology.device_type, topology.node_size_source) == (0, "cpu", "given")
+    topology = Topology.from_config(ZeroPPConfig(stage=3, node_size=2), 8, rank=5, local_world_size=8)
+    assert (topology.node_size, topology.hpz_size, topology.node, topology.local_rank) == (2, 1, 2, 1)
+    assert topology.node_size_source == "node_size in the hf_zeropp config"
 
 
 BAD_CONFIGS = [
@@ -121,7 +124,7 @@ def test_bad_configs_name_the_value_and_the_fix(values, error, message):
 )
 def test_bad_launch_combinations(config, world, local, message):
     with pytest.raises(ValueError) as raised:
-        ZeroPPConfig(**config).resolve(world, local)
+        Topology.from_config(ZeroPPConfig(**config), world, local_world_size=local)
     assert message in str(raised.value)
 
 
@@ -156,3 +159,50 @@ def test_missing_file_and_bad_environment():
         ZeroPPConfig.from_env({"ZEROPP_QUANTIZED_WEIGHTS": "maybe"})
     with pytest.raises(ValueError, match="ZEROPP_STAGE='three' is not an integer"):
         ZeroPPConfig.from_env({"ZEROPP_STAGE": "three"})
+
+
+def test_enumerations_are_literal_annotations_checked_by_one_routine():
+    """Every enumeration is a ``Literal`` annotation; the one validation routine names field, value and choices."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(ZeroPPConfig)
+    def literal(hint) -> bool:
+        return typing.get_origin(hint) is typing.Literal or any(literal(a) for a in typing.get_args(hint))
+
+    enumerations = {f.name for f in dataclasses.fields(ZeroPPConfig) if literal(hints[f.name])}
+    assert enumerations == {"stage", "mixed_precision", "reduce_dtype", "weight_bits", "hpz_partition_size",
+                            "gradient_bits", "gradient_intra_bits", "kernel_backend"}
+    for name, bad, allowed in [("stage", 7, "0 (data parallel), 1, 2 or 3"), ("gradient_bits", 16, "8 or 4"),
+                               ("reduce_dtype", "fp8", "one of ('fp32', 'bf16', 'fp16')"),
+                               ("kernel_backend", "triton", "one of ('reference', 'cpp', 'cuda') or None"),
+                               ("hpz_partition_size", "rack", "an integer or 'node'")]:
+        with pytest.raises(ValueError) as raised:
+            ZeroPPConfig(**{name: bad})
+        assert f"{name}={bad!r}" in str(raised.value) and allowed in str(raised.value), str(raised.value)
+
+
+def test_readme_option_table_matches_the_field_docs_and_defaults():
+    """README's ``ZeroPPConfig`` table is ``option_table()``: every field with its default and doc, and no row for
+    an option that does not exist."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from hf_zeropp.config import option_table, render_default
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("| option | default | meaning |")
+    table = readme[start:].split("\n\n", 1)[0].strip()
+    rows = {}
+    for line in table.splitlines():
+        match = re.fullmatch(r"\| `(\w+)` \| (.*?) \| (.*) \|", line)
+        if match:
+            rows[match.group(1)] = (match.group(2), match.group(3))
+    options = {f.name: f for f in dataclasses.fields(ZeroPPConfig) if f.name != "extra"}
+    assert not set(rows) - set(options), f"README rows for options that do not exist: {sorted(set(rows) - set(options))}"
+    assert not set(options) - set(rows), f"options missing from the README table: {sorted(set(options) - set(rows))}"
+    for name, f in options.items():
+        assert f.metadata.get("doc"), f"{name} has no doc"
+        assert rows[name] == (render_default(f.default), f.metadata["doc"]), name
+    assert table == option_table(), "regenerate the README table with hf_zeropp.config.option_table()"

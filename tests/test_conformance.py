@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zeropp.spawn import run_distributed
-from tiny_models import VOCAB, save_tiny_gpt2_with_tokenizer, tiny_gpt2
+from hf_zeropp.testing.spawn import run_distributed
+from hf_zeropp.testing.tiny_models import VOCAB, save_tiny_gpt2_with_tokenizer, tiny_gpt2
 
 WORLD, NODE_SIZE = 4, 2
 EXACT_MODES = ("zero1", "zero2", "zero3")

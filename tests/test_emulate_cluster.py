@@ -1,4 +1,4 @@
-"""Smoke tests of the emulated multi-node cluster (scripts/emulate_cluster.py, issue G).
+"""Smoke tests of the emulated multi-node cluster (scripts/emulate_cluster.py).
 
 The cluster tests need root, iproute2's ``ip`` and ``tc``, and a kernel that lets this process create network
 namespaces; elsewhere they are skipped with the reason. The argument and requirement checks run everywhere.
@@ -85,6 +85,34 @@ def test_wire_rule_matches_gloo_ring_algebra():
     assert f["grad_reduce_scatter"] == pytest.approx(1.5)
     assert f["qgz_inter"] == 1.0
     assert bench_cluster.wire_factors(2, 2)["fwd_allgather"] == 0.0  # one node: nothing crosses
+
+
+def test_profiler_breakdown_attributes_kernels_to_the_enclosing_call():
+    import torch
+    from benchmarks import breakdown
+    from torch.profiler import record_function
+
+    from hf_zeropp import qgz, qwz
+
+    def work():
+        with record_function(qwz.PROFILER_RANGE):
+            with record_function("hf_zeropp::quantize"), record_function("hf_zeropp::quantize"):  # counted once
+                torch.ones(1000).sum()
+        with record_function(qgz.PROFILER_RANGE):
+            with record_function("hf_zeropp::dequant_reduce"):
+                torch.ones(1000).sum()
+            torch.ones(1000).sum()
+        with record_function("hf_zeropp::dequantize"):  # outside both calls
+            torch.ones(10).sum()
+
+    result = breakdown.attribute(breakdown.profile_steps(work))
+    seconds, kernels = result["seconds"], result["kernels"]
+    assert 0 < seconds["gather kernels"] <= seconds["gather call"]
+    assert 0 < seconds["reduce kernels"] < seconds["reduce call"]
+    assert seconds["other kernels"] > 0
+    assert set(kernels) == {"hf_zeropp::quantize", "hf_zeropp::dequant_reduce", "hf_zeropp::dequantize"}
+    assert kernels["hf_zeropp::quantize"] == pytest.approx(seconds["gather kernels"])
+    assert result["events"][qwz.PROFILER_RANGE] == result["events"][qgz.PROFILER_RANGE] == 1
 
 
 # ---- as root, with namespaces ----------------------------------------------------------------------------------

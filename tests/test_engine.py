@@ -1,4 +1,4 @@
-"""ZeRO stages 0-3 on FSDP2 (issue B): exactness against single-process training, per-rank state, bytes per step,
+"""ZeRO stages 0-3 on FSDP2: exactness against single-process training, per-rank state, bytes per step,
 checkpoints, tied embeddings and uneven shards — multi-process gloo on CPU, 2 emulated nodes where it matters."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_zeropp.spawn import run_distributed
-from tiny_models import full_parameters, make_optimizer, relative_error, tiny_gpt2, train
+from hf_zeropp.testing.spawn import run_distributed
+from hf_zeropp.testing.tiny_models import full_parameters, make_optimizer, relative_error, tiny_gpt2, train
 
 STEPS = 20
 

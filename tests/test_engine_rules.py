@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hf_zeropp.launcher import node_size_from_environment
-from hf_zeropp.spawn import run_distributed
-from tiny_models import full_parameters, local_batch, tiny_gpt2
+from hf_zeropp.testing.spawn import run_distributed
+from hf_zeropp.testing.tiny_models import full_parameters, local_batch, tiny_gpt2
 
 STALE_CONFIGS = {"zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
                  "hpz": {"stage": 3, "hpz_partition_size": "node"},
@@ -118,7 +118,7 @@ def _launch_without_launcher_variables(hosts: list[str], preset: str) -> dict:
     ids = local_batch(0)
     model(input_ids=ids, labels=ids).loss.backward()
     state = model._zeropp
-    return {"node_size": state.topology.node_size, "source": state.resolved.node_size_source,
+    return {"node_size": state.topology.node_size, "source": state.topology.node_size_source,
             "active": hf_zeropp.active_techniques(model), "stats": hf_zeropp.comm_stats(model),
             "warnings": [str(w.message) for w in caught if "not applied" in str(w.message)]}
 
@@ -221,3 +221,45 @@ def _save_on_rank_0_only(directory: str) -> str:
 def test_saving_on_rank_0_alone_fails_with_the_fix_instead_of_hanging(tmp_path):
     message = run_distributed(_save_on_rank_0_only, 2, str(tmp_path))[0]
     assert "is collective: every rank must call it" in message and "Ranks 1 failed" in message, message
+
+
+def _schedules_outside_the_trainer() -> dict:
+    """Rank 0 alone passes a config with a ``*_until`` schedule to shard_model and to hf_zeropp.Accelerator: a
+    collective there would leave it waiting for rank 1 (which goes straight to the barrier). Then every rank shards
+    with ``runs_schedule=True``, as the Trainer integration does."""
+    import hf_zeropp
+
+    result = {}
+    if dist.get_rank() == 0:
+        model = tiny_gpt2()
+        try:
+            hf_zeropp.shard_model(model, {"preset": "zeropp", "quantized_gradients_until": 0.5})
+        except ValueError as error:
+            result["shard_model"] = str(error)
+        result["sharded"] = getattr(model, "_zeropp", None) is not None
+        try:
+            hf_zeropp.Accelerator(zeropp=hf_zeropp.ZeroPPConfig.preset("zeropp", hpz_until=0.25))
+        except ValueError as error:
+            result["accelerator"] = str(error)
+    dist.barrier()
+    model = hf_zeropp.shard_model(tiny_gpt2(), hf_zeropp.ZeroPPConfig.preset("zeropp", quantized_gradients_until=0.5),
+                                  runs_schedule=True)
+    result["scheduled"] = hf_zeropp.active_techniques(model)
+    return result
+
+
+def test_entry_points_without_the_trainer_refuse_a_schedule_before_any_collective():
+    """quantized_weights_until / hpz_until / quantized_gradients_until need the training progress: shard_model and
+    hf_zeropp.Accelerator used to ignore them silently; now they refuse, naming the field and the alternatives."""
+    results = run_distributed(_schedules_outside_the_trainer, 2, node_size=1, pg_timeout=60)
+    refused = results[0]
+    assert not refused["sharded"]
+    assert refused["shard_model"].startswith("quantized_gradients_until=0.5: schedules are applied only by the "
+                                             "Trainer integration"), refused["shard_model"]
+    assert "shard_model cannot tell how far training is" in refused["shard_model"]
+    assert "hf_zeropp.set_techniques(model, quantized_gradients=False) once 50% of the steps" in refused["shard_model"]
+    assert refused["accelerator"].startswith("hpz_until=0.25: schedules are applied only by the Trainer"), refused
+    assert "hf_zeropp.Accelerator cannot tell" in refused["accelerator"]
+    assert "hf_zeropp.set_techniques(model, hpz=False) once 25% of the steps" in refused["accelerator"]
+    for result in results:
+        assert result["scheduled"] == {"quantized_weights": True, "hpz": False, "quantized_gradients": True}, result

@@ -1,4 +1,4 @@
-"""Frozen weights stored INT8 (issue F): LoRA gradients, the quantization bound, node-local traffic with hpZ
+"""Frozen weights stored INT8: LoRA gradients, the quantization bound, node-local traffic with hpZ
 (training and generation), peft adapter save/merge, and the no-frozen-weights warning."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_zeropp.spawn import run_distributed
-from tiny_models import global_batch, tiny_gpt2
+from hf_zeropp.testing.spawn import run_distributed
+from hf_zeropp.testing.tiny_models import global_batch, tiny_gpt2
 
 BLOCK = 64
 WORLD = 4

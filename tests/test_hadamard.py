@@ -1,4 +1,4 @@
-"""qgZ accuracy options (issue I): the Hadamard rotation in every backend against the reference, the reference
+"""qgZ accuracy options: the Hadamard rotation in every backend against the reference, the reference
 against the Sylvester matrix, exact round trips, and the rotated quantizer's error on heavy-tailed inputs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Accelerate, Trainer and TRL integration (issue D): real launches of 4 CPU processes."""
+"""Accelerate, Trainer and TRL integration: real launches of 4 CPU processes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zeropp.spawn import run_distributed
+from hf_zeropp.testing.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -79,9 +79,9 @@ def test_trainer_from_the_command_line_logs_comm_and_resumes(tmp_path):
 
 
 def test_accuracy_variant_recipe_runs_hadamard_stochastic_8bit_intra_hop(tmp_path):
-    """A ``base:`` recipe (issue I's best combination) through the runner: its qgZ sends an 8-bit intra-node hop
-    (4x the bytes of the 4-bit inter-node hop with 2 ranks per node, vs 2x with a 4-bit first hop) and its hop-1
-    error, measured after rotating back, is that of 8 bits."""
+    """A ``base:`` recipe (the best combination of the qgZ accuracy options) through the runner: its qgZ sends an
+    8-bit intra-node hop (4x the bytes of the 4-bit inter-node hop with 2 ranks per node, vs 2x with a 4-bit first
+    hop) and its hop-1 error, measured after rotating back, is that of 8 bits."""
     _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_gpt.py",
              "recipes/gpt350m_pile/mini/zeropp_hadamard_sr_intra8.yaml", "--output_dir", str(tmp_path),
              "--max_steps", "6", "--logging_steps", "2", "--eval_steps", "6"], {"ZEROPP_NODE_SIZE": "2"})
@@ -105,7 +105,7 @@ def _sft_run(output: str):
     class ZeroPPSFTTrainer(hf_zeropp.ZeroPPTrainerMixin, SFTTrainer):
         pass
 
-    from hf_zeropp.data import stdlib_tokenizer
+    from hf_zeropp.testing.corpus import stdlib_tokenizer
 
     tokenizer = stdlib_tokenizer(300)
     torch.manual_seed(0)
@@ -137,9 +137,37 @@ def test_trl_sft_trainer_with_the_mixin(tmp_path):
     GPT2LMHeadModel.from_pretrained(tmp_path)
 
 
+def _scheduled_trainer_run(output: str) -> list[dict]:
+    """ZeroPPTrainer with ``quantized_gradients_until: 0.5`` over 4 steps, logging every step."""
+    import hf_zeropp
+    from hf_zeropp.testing.tiny_models import global_batch, tiny_gpt2
+
+    batches = torch.cat([global_batch(step, size=4) for step in range(4)])
+    args = hf_zeropp.ZeroPPTrainingArguments(
+        output_dir=output, max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=True, seed=0, dataloader_num_workers=0,
+        zeropp={"preset": "zeropp", "node_size": 1, "quantized_gradients_until": 0.5})
+    trainer = hf_zeropp.ZeroPPTrainer(model=tiny_gpt2(), args=args,
+                                      train_dataset=[{"input_ids": ids, "labels": ids} for ids in batches])
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_applies_the_config_schedule(tmp_path):
+    """The Trainer integration is the one entry point that runs ``*_until`` schedules (shard_model and the
+    Accelerator refuse them): qgZ on for the first half of max_steps, then the plain reduce-scatter."""
+    logs = run_distributed(_scheduled_trainer_run, 2, str(tmp_path))[0]
+    assert [entry["step"] for entry in logs] == [1, 2, 3, 4], logs
+    assert [entry["zeropp/quantized_gradients_on"] for entry in logs] == [1.0, 1.0, 0.0, 0.0], logs
+    qgz_bytes = [entry.get("zeropp/qgz_inter_inter_node_bytes", 0) for entry in logs]
+    assert [sent > 0 for sent in qgz_bytes] == [True, True, False, False], logs
+    assert all(entry["zeropp/grad_reduce_scatter_inter_node_bytes"] > 0 for entry in logs[2:]), logs
+    assert all(entry["zeropp/quantized_weights_on"] == 1.0 for entry in logs), logs
+
+
 def _prepare_twice():
     import hf_zeropp
-    from tiny_models import tiny_gpt2
+    from hf_zeropp.testing.tiny_models import tiny_gpt2
 
     accelerator = hf_zeropp.Accelerator(zeropp="zero3")
     model = tiny_gpt2()
@@ -154,16 +182,16 @@ def _prepare_twice():
 
 def test_bad_inputs_of_the_integrations():
     import hf_zeropp
-    from hf_zeropp.accelerate_integration import as_zeropp_config
+    coerce = hf_zeropp.ZeroPPConfig.coerce
 
     with pytest.raises(ValueError, match="'zerop' is neither a preset"):
-        as_zeropp_config("zerop")
+        coerce("zerop", argument="zeropp")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        as_zeropp_config("configs/missing.yaml")
+        coerce("configs/missing.yaml", argument="zeropp")
     with pytest.raises(ValueError, match=r"unknown hf_zeropp option\(s\) \['qwz'\]"):
-        as_zeropp_config({"qwz": True})
+        coerce({"qwz": True}, argument="zeropp")
     with pytest.raises(ValueError, match="hpz_partition_size needs stage 3, but stage=2"):
-        as_zeropp_config({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}})
+        coerce({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}, argument="zeropp")
     with pytest.raises(ValueError, match="neither a preset"):
         hf_zeropp.ZeroPPTrainingArguments(output_dir="/tmp/unused", zeropp="zero4")
     messages = run_distributed(_prepare_twice, 2)

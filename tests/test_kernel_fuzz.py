@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the quantization kernels (issue H, item 2): the compiled CPU backend ("cpp") must equal
+"""Property-based fuzzing of the quantization kernels: the compiled CPU backend ("cpp") must equal
 the plain-torch reference ("reference") bit for bit on *any* input the public API accepts.
 
 ``tests/test_kernels.py`` checks hand-picked shapes; here hypothesis draws the shapes (0 and 1 elements, primes,

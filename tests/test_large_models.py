@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_zeropp.spawn import run_distributed
-from tiny_models import VOCAB, full_parameters, save_tiny_gpt2_with_tokenizer
+from hf_zeropp.testing.spawn import run_distributed
+from hf_zeropp.testing.tiny_models import VOCAB, full_parameters, save_tiny_gpt2_with_tokenizer
 
 CONFIGS = {"ddp": {"stage": 0}, "zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
            "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node",

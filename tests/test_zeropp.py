@@ -1,4 +1,4 @@
-"""ZeRO++ end to end on a GPT-2 (issue C): all three techniques train like ZeRO-3, cut cross-node bytes as the
+"""ZeRO++ end to end on a GPT-2: all three techniques train like ZeRO-3, cut cross-node bytes as the
 paper says, keep hpZ's backward gathers inside the node, and switch on and off between steps."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_zeropp.spawn import run_distributed
+from hf_zeropp.testing.spawn import run_distributed
 
 STEPS = 50
 SEQ = 32
@@ -24,7 +24,7 @@ def _gpt2(vocab: int = 256):
 
 
 def _text_batch(step: int, per_rank: int = 4) -> torch.Tensor:
-    from hf_zeropp.data import byte_sequences
+    from hf_zeropp.testing.corpus import byte_sequences
 
     sequences = byte_sequences(200_000, SEQ)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -211,7 +211,7 @@ def _one_backward_gradients(unused_parameter: bool):
     """Full gradients of one backward of a tiny GPT-2 under ZeRO-3, qgZ, and qgZ with 1-D parameters in full
     precision; with ``unused_parameter`` block 1 carries a parameter that gets no gradient."""
     import hf_zeropp
-    from tiny_models import local_batch, tiny_gpt2
+    from hf_zeropp.testing.tiny_models import local_batch, tiny_gpt2
 
     out = {}
     for name, options in {"zero3": {"stage": 3},
@@ -233,7 +233,7 @@ def test_full_precision_1d_sends_biases_and_norms_exactly(world):
     """DeepSpeed parity: with ``gradient_full_precision_1d`` (the default) every 1-D parameter's gradient equals ZeRO-3's (fp32
     summation-order noise only), matrices stay INT4-quantized, and the extra bytes are the 1-D shards in fp32.
     World 6 pads 64-element vectors to 66 (11 per rank)."""
-    from tiny_models import relative_error
+    from hf_zeropp.testing.tiny_models import relative_error
 
     ranks = run_distributed(_one_backward_gradients, world, False, node_size=2)
     exact, _ = ranks[0]["zero3"]
@@ -258,7 +258,7 @@ def test_full_precision_1d_sends_biases_and_norms_exactly(world):
 def test_full_precision_1d_falls_back_to_quantizing_a_unit_with_an_unused_parameter():
     """A parameter without a gradient changes FSDP2's buffer layout: that unit's 1-D slices are quantized with the
     rest (and the meter says so), every other unit's are still exact."""
-    from tiny_models import relative_error
+    from hf_zeropp.testing.tiny_models import relative_error
 
     result = run_distributed(_one_backward_gradients, 4, True, node_size=2)[0]
     exact, _ = result["zero3"]
@@ -275,7 +275,7 @@ def _qwz_gathered_block(weight_full_precision_1d: bool):
     matrices N(0, 0.02)) under qwZ at 2 nodes x 2: each parameter's relative error as the forward sees it, and the
     forward gather's bytes."""
     import hf_zeropp
-    from tiny_models import tiny_gpt2
+    from hf_zeropp.testing.tiny_models import tiny_gpt2
 
     model = tiny_gpt2(n_embd=768, n_layer=1)
     generator = torch.Generator().manual_seed(7)

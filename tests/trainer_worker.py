@@ -1,4 +1,5 @@
-"""One rank of a ZeroPPTrainer run that can crash in the middle of writing a Trainer checkpoint (issue H, item 5).
+"""One rank of a ZeroPPTrainer run that can crash in the middle of writing a Trainer checkpoint (the Trainer
+checkpoint tests, ``tests/test_trainer_checkpoints.py``).
 
 Usage: ``python tests/trainer_worker.py SPEC.json`` under :mod:`rank_launcher` (RANK, WORLD_SIZE, MASTER_ADDR, ...
 in the environment; Accelerate creates the process group). The spec::
@@ -25,9 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiny_models import global_batch, tiny_gpt2  # noqa: E402
+from hf_zeropp.testing.tiny_models import global_batch, tiny_gpt2
 
 
 def main() -> None:

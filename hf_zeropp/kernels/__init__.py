@@ -1,9 +1,14 @@
 """Block-quantization kernels for ZeRO++: quantize, dequantize, swizzle+quantize, dequant+reduce(+requant).
 
-Three backends give the same results: ``"reference"`` (plain torch, :mod:`hf_zeropp.kernels.reference`, the
-spec), ``"cpp"`` (C++ for the CPU, OpenMP, compiled on first use) and ``"cuda"`` (``cuda/*.cu``, compiled on first
-use). ``backend=None`` takes the compiled backend for the tensor's device when it builds, else the reference.
-The format itself (block layout, scale rule, INT4 packing, NaN/Inf behaviour) is documented in ``reference``.
+The kernels are torch custom ops, ``torch.ops.hf_zeropp.*`` (:mod:`hf_zeropp.kernels.ops`): torch runs the compiled
+C++ code for CPU tensors and the CUDA code for CUDA tensors (built on first use, :mod:`hf_zeropp.kernels._build`),
+and the plain-torch reference (:mod:`hf_zeropp.kernels.reference`, the spec) wherever no compiled kernel is
+available. The functions here validate arguments once, with messages that name the value and the fix, shape the
+outputs, and call the op. ``backend`` chooses per call: ``None`` — the op for the tensor's device (compiled when it
+builds); ``"reference"`` — the plain-torch spec, bypassing the compiled kernels (it appears in the profiler under
+the op's name too); ``"cpp"`` / ``"cuda"`` — the compiled kernels, or an error saying why they are unavailable.
+There is no process-wide default: components that call the kernels (qwZ, qgZ, frozen weights) carry the backend of
+their ``ZeroPPConfig.kernel_backend``.
 
 Every function takes rows along the last dimension: a ``(..., L)`` input gives ``(..., L)`` (8-bit) or
 ``(..., ceil(L / 2))`` (4-bit) int8 codes and ``(..., ceil(L / block_size))`` fp32 scales.
@@ -11,12 +16,11 @@ Every function takes rows along the last dimension: a ``(..., L)`` input gives `
 
 from __future__ import annotations
 
-import os
 from typing import Literal, NamedTuple
 
 import torch
 
-from . import _build, reference
+from . import _build, ops, reference
 from .reference import MAX_HADAMARD, QMAX, is_rotation_size, num_blocks, packed_length, swizzle_source_slices
 
 __all__ = [
@@ -30,7 +34,6 @@ __all__ = [
     "num_blocks",
     "packed_length",
     "quantize",
-    "set_default_backend",
     "swizzle_quantize",
     "swizzle_source_slices",
 ]
@@ -40,9 +43,7 @@ BACKENDS: tuple[str, ...] = ("reference", "cpp", "cuda")
 DEFAULT_BLOCK_SIZE = 256
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _EXTENSION_OF = {"cpp": _build.CPU_EXTENSION, "cuda": _build.CUDA_EXTENSION}
-_DEVICE_OF = {"cpp": "cpu", "cuda": "cuda"}
-
-_default_backend: str | None = os.environ.get("HF_ZEROPP_KERNEL_BACKEND") or None
+_COMPILED_FOR = {"cpu": "cpp", "cuda": "cuda"}
 
 
 class Quantized(NamedTuple):
@@ -52,42 +53,39 @@ class Quantized(NamedTuple):
     scales: torch.Tensor
 
 
-def set_default_backend(backend: Backend | None) -> None:
-    """Force one backend for every call that passes ``backend=None`` (None restores automatic choice).
-
-    The environment variable ``HF_ZEROPP_KERNEL_BACKEND`` sets the same at start-up.
-    """
-    global _default_backend
-    if backend is not None:
-        _check_backend_name(backend)
-    _default_backend = backend
-
-
-def _check_backend_name(backend: str) -> None:
-    if backend not in BACKENDS:
+def check_backend_name(backend: str | None) -> None:
+    if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS} or None for automatic")
 
 
 def active_backend(device: torch.device | str, backend: Backend | None = None) -> str:
     """The backend a call with ``backend`` on ``device`` would use (building it if needed)."""
-    return _resolve(backend, torch.device(device))[0]
+    return _resolve(backend, torch.device(device))
 
 
-def _resolve(backend: str | None, device: torch.device):
-    backend = backend or _default_backend
+def _resolve(backend: str | None, device: torch.device) -> str:
     if backend is None:
-        automatic = "cuda" if device.type == "cuda" else "cpp" if device.type == "cpu" else None
-        module = _build.load(_EXTENSION_OF[automatic]) if automatic else None
-        return (automatic, module) if module is not None else ("reference", None)
-    _check_backend_name(backend)
+        compiled = _COMPILED_FOR.get(device.type)
+        return compiled if compiled is not None and _build.load(_EXTENSION_OF[compiled]) else "reference"
+    check_backend_name(backend)
     if backend == "reference":
-        return "reference", None
-    if device.type != _DEVICE_OF[backend]:
+        return backend
+    if device.type != ("cpu" if backend == "cpp" else "cuda"):
         raise ValueError(
-            f"kernel backend {backend!r} runs on {_DEVICE_OF[backend]} tensors but got a {device.type} tensor; "
-            f"pass backend=None (automatic) or move the tensor"
+            f"kernel backend {backend!r} runs on {'cpu' if backend == 'cpp' else 'cuda'} tensors but got a "
+            f"{device.type} tensor; pass backend=None (automatic) or move the tensor"
         )
-    return backend, _build.load(_EXTENSION_OF[backend], raise_on_failure=True)
+    _build.load(_EXTENSION_OF[backend], raise_on_failure=True)
+    return backend
+
+
+def _run(name: str, backend: str | None, device: torch.device, *args):
+    """Call op ``name``: through the dispatcher (compiled kernel for the device, the reference where there is none),
+    or the reference itself when asked for by name."""
+    if _resolve(backend, device) == "reference" and backend == "reference":
+        with torch.profiler.record_function(f"{ops.NAMESPACE}::{name}"):
+            return ops.REFERENCE[name](*args)
+    return getattr(torch.ops.hf_zeropp, name)(*args)
 
 
 def _check_bits(bits: int, name: str = "bits") -> None:
@@ -185,20 +183,13 @@ def quantize(
     length = shape[-1]
     lead = shape[:-1]
     rows = x.reshape(-1, length) if length else x.reshape(0, 0)
-    name, module = _resolve(backend, x.device)
     codes_shape = (*lead, packed_length(length, bits))
     scales_shape = (*lead, num_blocks(length, block_size))
     if rows.numel() == 0:
         return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=x.device))
-    if module is None:
-        codes, scales = reference.quantize(rows, bits, block_size, stochastic, seed, hadamard)
-        return Quantized(codes.reshape(codes_shape), scales.reshape(scales_shape))
-    codes = torch.empty(codes_shape, dtype=torch.int8, device=x.device)
-    scales = torch.empty(scales_shape, dtype=torch.float32, device=x.device)
-    module.quantize_(rows.contiguous(), bits, block_size, stochastic, seed, hadamard, codes.view(rows.shape[0], -1),
-                     scales.view(rows.shape[0], -1))
-    return Quantized(codes, scales)
+    codes, scales = _run("quantize", backend, x.device, rows.contiguous(), bits, block_size, stochastic, seed, hadamard)
+    return Quantized(codes.view(codes_shape), scales.view(scales_shape))
 
 
 def dequantize(
@@ -232,17 +223,14 @@ def dequantize(
     shape = (*lead, length)
     if out is not None:
         _check_out(out, shape, dtype, codes.device)
-    name, module = _resolve(backend, codes.device)
-    if codes.numel() == 0 or length == 0:
-        return out if out is not None else torch.empty(shape, dtype=dtype, device=codes.device)
-    if module is None:
-        result = reference.dequantize(codes, scales, bits, block_size, length, dtype, hadamard)
-        return out.copy_(result) if out is not None else result
+    _resolve(backend, codes.device)  # an unavailable backend asked for by name fails also for empty inputs
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=codes.device)
+    if codes.numel() == 0 or length == 0:
+        return out
     rows = out.numel() // length
-    module.dequantize_(codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1), bits, block_size,
-                       hadamard, out.view(rows, length))
+    _run("dequantize", backend, codes.device, codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1),
+         bits, block_size, hadamard, out.view(rows, length))
     return out
 
 
@@ -285,18 +273,12 @@ def swizzle_quantize(
     length = x.numel() // slices
     codes_shape = (slices, packed_length(length, bits))
     scales_shape = (slices, num_blocks(length, block_size))
-    name, module = _resolve(backend, x.device)
+    _resolve(backend, x.device)
     if length == 0:
         return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=x.device))
-    if module is None:
-        return Quantized(*reference.swizzle_quantize(x, nodes, node_size, stages, bits, block_size, stochastic, seed,
-                                                    hadamard))
-    codes = torch.empty(codes_shape, dtype=torch.int8, device=x.device)
-    scales = torch.empty(scales_shape, dtype=torch.float32, device=x.device)
-    module.swizzle_quantize_(x.contiguous().view(-1), nodes, node_size, stages, bits, block_size, stochastic, seed,
-                             hadamard, codes, scales)
-    return Quantized(codes, scales)
+    return Quantized(*_run("swizzle_quantize", backend, x.device, x.contiguous().view(-1), nodes, node_size, stages,
+                           bits, block_size, stochastic, seed, hadamard))
 
 
 def _stacked(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, length: int | None,
@@ -335,20 +317,14 @@ def dequant_reduce_quant(
     rows = codes.shape[1]
     codes_shape = (rows, packed_length(length, out_bits))
     scales_shape = (rows, num_blocks(length, block_size))
-    name, module = _resolve(backend, codes.device)
+    _resolve(backend, codes.device)
     if codes.shape[0] == 0:
         raise ValueError("dequant_reduce_quant needs at least one input (k >= 1)")
     if rows == 0 or length == 0:
         return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=codes.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=codes.device))
-    if module is None:
-        return Quantized(*reference.dequant_reduce_quant(codes, scales, in_bits, block_size, length, out_bits,
-                                                         stochastic, seed))
-    out_codes = torch.empty(codes_shape, dtype=torch.int8, device=codes.device)
-    out_scales = torch.empty(scales_shape, dtype=torch.float32, device=codes.device)
-    module.dequant_reduce_quant_(codes.contiguous(), scales.contiguous(), in_bits, block_size, length, out_bits,
-                                 stochastic, seed, out_codes, out_scales)
-    return Quantized(out_codes, out_scales)
+    return Quantized(*_run("dequant_reduce_quant", backend, codes.device, codes.contiguous(), scales.contiguous(),
+                           in_bits, block_size, length, out_bits, stochastic, seed))
 
 
 def dequant_reduce(
@@ -376,13 +352,11 @@ def dequant_reduce(
     shape = (codes.shape[1], length)
     if out is not None:
         _check_out(out, shape, dtype, codes.device)
-    name, module = _resolve(backend, codes.device)
-    if shape[0] == 0 or length == 0:
-        return out if out is not None else torch.empty(shape, dtype=dtype, device=codes.device)
-    if module is None:
-        result = reference.dequant_reduce(codes, scales, bits, block_size, length, scale, dtype, hadamard)
-        return out.copy_(result) if out is not None else result
+    _resolve(backend, codes.device)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=codes.device)
-    module.dequant_reduce_(codes.contiguous(), scales.contiguous(), bits, block_size, float(scale), hadamard, out)
+    if shape[0] == 0 or length == 0:
+        return out
+    _run("dequant_reduce", backend, codes.device, codes.contiguous(), scales.contiguous(), bits, block_size,
+         float(scale), hadamard, out)
     return out

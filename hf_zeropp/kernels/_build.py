@@ -1,32 +1,37 @@
-"""Compile the C++ (CPU) and CUDA kernel extensions on first use with torch.utils.cpp_extension, and cache them.
+"""Compile the C++ (CPU) and CUDA kernels on first use with torch.utils.cpp_extension, cache them, and load them into
+the dispatcher as the CPU / CUDA kernels of ``torch.ops.hf_zeropp.*`` (:mod:`hf_zeropp.kernels.ops`).
 
 ``pip install`` compiles nothing: the sources ship with the package and are built the first time a backend is
-asked for (or ahead of time by ``python -m hf_zeropp.kernels build``). torch keys its build cache on the sources
-and flags, so an edited kernel is rebuilt and an unchanged one is loaded in well under a second. A failed build
-warns once and leaves the reference backend in charge; asking for the failed backend by name raises with the
-compiler's message.
+asked for (or ahead of time by ``python -m hf_zeropp.kernels build``). The build is cached under a name that
+carries a hash of every source file (headers included), the torch version and the flags: two checkouts or venvs
+with the same sources share one build, and an edited kernel gets a new one — torch's own cache is keyed by the
+extension name only, so with a fixed name they would rebuild each other's. A failed build warns once and leaves
+the reference (plain torch) kernels in charge; asking for the failed backend by name raises with the compiler's
+message.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 CPU_EXTENSION = "hf_zeropp_cpu_kernels"
 CUDA_EXTENSION = "hf_zeropp_cuda_kernels"
+SOURCES = {CPU_EXTENSION: ["cpu_kernels.cpp"], CUDA_EXTENSION: ["cuda_binding.cpp", "quant_kernels.cu"]}
 
 # Single roundings everywhere: contraction into FMA would make compiled results differ from the reference.
 CPU_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
 CUDA_CFLAGS = ["-O3", "--fmad=false", "-std=c++17"]
 
 _lock = threading.Lock()
-_loaded: dict[str, ModuleType] = {}
+_loaded: dict[str, str] = {}  # extension -> path of the loaded library
 _failures: dict[str, str] = {}
 
 
@@ -50,53 +55,76 @@ def cuda_arch_flags() -> list[str]:
     return [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in sorted(capabilities)]
 
 
-def _compile(name: str, verbose: bool) -> ModuleType:
+def extension_name(extension: str, sources: Path | None = None) -> str:
+    """``extension`` plus a hash of every file in the source folder (headers too), the torch version and the flags:
+    the build's identity, so equal sources share one cached build and any edit gets its own."""
+    sources = sources or source_dir()
+    digest = hashlib.sha256()
+    headers = sorted(p.name for p in sources.iterdir() if p.suffix in (".h", ".cuh"))
+    for file in [*SOURCES[extension], *headers]:
+        digest.update(file.encode() + b"\0" + (sources / file).read_bytes() + b"\0")
+    flags = (CPU_CFLAGS if extension == CPU_EXTENSION
+             else [*CUDA_CFLAGS, *cuda_arch_flags(), os.environ.get("TORCH_CUDA_ARCH_LIST", "")])
+    digest.update(" ".join([torch.__version__, str(torch.version.cuda), sys.version, *flags]).encode())
+    return f"{extension}_{digest.hexdigest()[:16]}"
+
+
+def cache_dir() -> Path:
+    """Where builds live: ``HF_ZEROPP_KERNEL_CACHE``, else ``TORCH_EXTENSIONS_DIR``, else ``~/.cache/hf_zeropp``."""
+    root = os.environ.get("HF_ZEROPP_KERNEL_CACHE") or os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "hf_zeropp" / "kernels"
+
+
+def _compile(extension: str, verbose: bool, sources: Path | None = None) -> str:
     from torch.utils import cpp_extension
 
-    sources = source_dir()
-    if name == CPU_EXTENSION:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(sources / "cpu_kernels.cpp")],
-            extra_cflags=CPU_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=verbose,
-        )
-    if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device is visible to torch")
-    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-        raise RuntimeError("nvcc not found; install the CUDA toolkit or set CUDA_HOME")
-    return cpp_extension.load(
-        name=name,
-        sources=[str(sources / "cuda_binding.cpp"), str(sources / "quant_kernels.cu")],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=CUDA_CFLAGS + cuda_arch_flags(),
-        verbose=verbose,
-    )
+    if extension == CUDA_EXTENSION:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device is visible to torch")
+        if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+            raise RuntimeError("nvcc not found; install the CUDA toolkit or set CUDA_HOME")
+    sources = sources or source_dir()
+    name = extension_name(extension, sources)
+    build_dir = cache_dir() / name
+    library = build_dir / f"{name}.so"
+    if not library.is_file():
+        print(f"hf_zeropp: building the {extension} kernels into {build_dir} (~40 s, once per source version)",
+              file=sys.stderr, flush=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    common = dict(name=name, sources=[str(sources / f) for f in SOURCES[extension]], build_directory=str(build_dir),
+                  is_python_module=False, verbose=verbose)
+    if extension == CPU_EXTENSION:
+        cpp_extension.load(**common, extra_cflags=CPU_CFLAGS, extra_ldflags=["-fopenmp"])
+    else:
+        cpp_extension.load(**common, extra_cflags=["-O3", "-std=c++17"],
+                           extra_cuda_cflags=CUDA_CFLAGS + cuda_arch_flags())
+    return str(library)
 
 
-def load(name: str, *, verbose: bool = False, raise_on_failure: bool = False) -> ModuleType | None:
-    """The compiled extension ``name``, building it if needed; None (after one warning) if it cannot be built."""
+def load(extension: str, *, verbose: bool = False, raise_on_failure: bool = False) -> bool:
+    """Register the compiled kernels of ``extension`` with torch, building them if needed; False (after one
+    warning) if they cannot be built."""
+    if extension in _loaded:  # the common case, without the lock (and traceable by torch.compile)
+        return True
     with _lock:
-        if name in _loaded:
-            return _loaded[name]
-        if name not in _failures:
+        if extension not in _loaded and extension not in _failures:
             try:
-                _loaded[name] = _compile(name, verbose)
-                return _loaded[name]
+                _loaded[extension] = _compile(extension, verbose)
             except Exception as error:  # a compiler or toolchain problem must not stop training
-                _failures[name] = f"{type(error).__name__}: {error}"
+                _failures[extension] = f"{type(error).__name__}: {error}"
                 warnings.warn(
-                    f"hf_zeropp: could not build the {name} kernels ({_failures[name].splitlines()[0]}); "
-                    "using the reference (plain torch) backend. Run `python -m hf_zeropp.kernels build` "
+                    f"hf_zeropp: could not build the {extension} kernels ({_failures[extension].splitlines()[0]}); "
+                    "using the reference (plain torch) kernels. Run `python -m hf_zeropp.kernels build` "
                     "for the full compiler output.",
                     RuntimeWarning,
                     stacklevel=3,
                 )
+    if extension in _loaded:
+        return True
     if raise_on_failure:
-        raise RuntimeError(f"hf_zeropp: the {name} kernels are unavailable: {_failures[name]}")
-    return None
+        raise RuntimeError(f"hf_zeropp: the {extension} kernels are unavailable: {_failures[extension]}")
+    return False
 
 
-def failure(name: str) -> str | None:
-    return _failures.get(name)
+def failure(extension: str) -> str | None:
+    return _failures.get(extension)

@@ -84,7 +84,7 @@ def save_tiny_gpt2_with_tokenizer(directory) -> None:
     build its reference model."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_zeropp.data import stdlib_tokenizer
+    from hf_zeropp.testing.corpus import stdlib_tokenizer
 
     tokenizer = stdlib_tokenizer(300)
     torch.manual_seed(0)

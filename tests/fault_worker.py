@@ -1,8 +1,9 @@
-"""One rank of a reliability run (issue H): train the tiny GPT-2 for a range of steps, checkpoint, resume, and — when
-asked — die by SIGKILL at a chosen point. Started once per rank by :mod:`rank_launcher` as a plain process (not
-through torchrun, whose agent would kill the surviving ranks itself and hide whether they notice the failure).
+"""One rank of a fault-injection run (the rank-failure and exact-resume tests): train the tiny GPT-2 for a range of
+steps, checkpoint, resume, and — when asked — die by SIGKILL at a chosen point. Started once per rank by
+:mod:`rank_launcher` as a plain process (not through torchrun, whose agent would kill the surviving ranks itself and
+hide whether they notice the failure).
 
-Usage: ``python tests/reliability_worker.py SPEC.json`` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+Usage: ``python tests/fault_worker.py SPEC.json`` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT in the environment. The spec::
 
     {"pg_timeout": 20,                       # seconds, the process group's timeout
@@ -35,9 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiny_models import make_optimizer, tiny_gpt2, train  # noqa: E402
+from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
 
 
 def _die(marker: Path) -> None:
@@ -80,8 +79,8 @@ def _arm_dcp_kill(rank_to_kill: int, marker: Path, should_kill) -> None:
 
 
 def _subgroups_inherit_the_world_timeout() -> None:
-    """The topology change proposed in the issue H report, applied from outside: build hf_zeropp's node and hpZ
-    meshes with the world process group's timeout instead of torch's 30-minute default for new groups."""
+    """The topology change proposed by the rank-hang investigation, applied from outside: build hf_zeropp's node and
+    hpZ meshes with the world process group's timeout instead of torch's 30-minute default for new groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from hf_zeropp import topology

@@ -1,0 +1,341 @@
+"""Every private or internal upstream API hf_zeropp uses, in one place (issue M, item 4).
+
+Torch FSDP2's custom-collective base classes and parameter-group internals, ``torch._C`` and process-group
+internals, transformers' model-init and Trainer hooks, and Accelerate's prepared-object registry are reached only
+through the names below; the rest of hf_zeropp imports them from here. Each entry says what it reaches into and
+carries the versions it was checked on. ``tests/test_compat.py`` exercises every entry against the installed
+versions, so an upstream rename fails there with the upstream symbol named (``UPSTREAM`` maps entry -> symbol).
+
+Where a module moved between versions the right one is found by trying the known locations in order, never by
+comparing version strings. PEFT and TRL: hf_zeropp uses none of their private APIs (TRL's trainers reach hf_zeropp
+through the Trainer hooks below, which they inherit).
+
+This module imports only torch and third-party packages, never other hf_zeropp modules; transformers and
+accelerate are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# entry -> the upstream symbol it reaches into (named in the test's failure messages)
+UPSTREAM: dict[str, str] = {
+    "AllGather": "torch.distributed.fsdp._fully_shard._fsdp_api.AllGather",
+    "ReduceScatter": "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",
+    "in_backward": "torch._C._current_graph_task_id",
+    "hsdp_mesh_info": "torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo",
+    "post_forward_mesh_info_override": "torch.distributed.fsdp._fully_shard._fully_shard._get_post_forward_mesh_info",
+    "fsdp_param_groups": "FSDPModule._get_fsdp_state()._fsdp_param_groups",
+    "fsdp_param_group": "FSDPModule._get_fsdp_state()._fsdp_param_group",
+    "group_parameters": "FSDPParamGroup.fsdp_params / FSDPParam.sharded_param, .padded_sharded_param_size",
+    "group_shard_world_size": "FSDPParamGroup.mesh_info.shard_mesh_size",
+    "group_reshards_after_forward": "FSDPParamGroup.post_forward_mesh_info",
+    "group_is_sharded": "FSDPParam.sharded_state, torch.distributed.fsdp._fully_shard._fsdp_param.ShardedState",
+    "set_post_forward_mesh_info": "FSDPParamGroup/FSDPParam.post_forward_mesh_info, "
+                                  "FSDPParam._init_sharded_post_forward_param_metadata, FSDPParam._orig_size",
+    "group_gathered_bytes": "FSDPParam.sharded_state, .all_gather_outputs, ._sharded_post_forward_param_data",
+    "apply_activation_checkpointing": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+                                      ".apply_activation_checkpointing",
+    "process_group_timeout": "ProcessGroup._get_backend(device).options._timeout",
+    "local_tensor": "torch.distributed.tensor.DTensor._local_tensor",
+    "no_split_modules": "transformers.PreTrainedModel._no_split_modules",
+    "run_init_with_hooks": "transformers.PreTrainedModel._initialize_weights (+ initialize_weights)",
+    "trainer_accelerator_class": "transformers.trainer.Accelerator (looked up by "
+                                 "Trainer.create_accelerator_and_postprocess)",
+    "TrainerHooks": "transformers.Trainer._move_model_to_device, ._save_optimizer_and_scheduler, "
+                    "._load_optimizer_and_scheduler",
+    "trainer_save": "transformers.Trainer._save",
+    "extend_valid_dict_fields": "transformers.TrainingArguments._VALID_DICT_FIELDS",
+    "is_accelerate_prepared": "accelerate: the _is_accelerate_prepared flag Accelerator.prepare sets",
+    "accelerator_models": "accelerate.Accelerator._models",
+    "accelerator_optimizers": "accelerate.Accelerator._optimizers",
+    "accelerator_registry": "accelerate.Accelerator._models / ._optimizers (assigned)",
+}
+
+
+def _import_first(modules: tuple[str, ...], name: str) -> Any:
+    """``name`` from the first of ``modules`` that has it (a module that moved between versions)."""
+    for module_name in modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise ImportError(f"hf_zeropp needs {name} from one of {', '.join(modules)}; this torch {torch.__version__} has "
+                      f"none (hf_zeropp/_compat.py lists the versions it was checked on)")
+
+
+_FSDP_PACKAGES = ("torch.distributed.fsdp._fully_shard", "torch.distributed._composable.fsdp")  # new first
+
+# ---------------------------------------------------------------- torch FSDP2 (checked on torch 2.13)
+
+# FSDP2's custom all-gather / reduce-scatter protocols (set_custom_all_gather / set_custom_reduce_scatter): the
+# base classes hf_zeropp's metered and quantized collectives subclass. Checked: torch 2.13.
+AllGather = _import_first(tuple(f"{p}._fsdp_api" for p in _FSDP_PACKAGES), "AllGather")
+ReduceScatter = _import_first(tuple(f"{p}._fsdp_api" for p in _FSDP_PACKAGES), "ReduceScatter")
+
+
+def _fsdp_module(name: str) -> Any:
+    """FSDP2's internal module ``name`` (``_fully_shard``, ``_fsdp_common``, ``_fsdp_param``), wherever it lives."""
+    for package in _FSDP_PACKAGES:
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ImportError:
+            continue
+    raise ImportError(f"hf_zeropp needs FSDP2's internal module {name} (looked in {', '.join(_FSDP_PACKAGES)})")
+
+
+# checked: torch 2.13
+def in_backward() -> bool:
+    """``torch._C._current_graph_task_id``: True while autograd runs a backward pass (FSDP's pre-backward all-gathers
+    happen there; it tells forward from backward gathers and guards the optimizer-step hook)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# checked: torch 2.13
+def hsdp_mesh_info(mesh: Any, shard_mesh_dim: int, replicate_mesh_dim: int) -> Any:
+    """FSDP2's internal ``HSDPMeshInfo`` for ``mesh``: the post-forward (hpZ) mesh description FSDP expects."""
+    return _fsdp_module("_fsdp_common").HSDPMeshInfo(mesh, shard_mesh_dim=shard_mesh_dim,
+                                                     replicate_mesh_dim=replicate_mesh_dim)
+
+
+# checked: torch 2.13 (defined in _fsdp_init, looked up by fully_shard as a global of _fully_shard)
+@contextlib.contextmanager
+def post_forward_mesh_info_override(choose: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """Patch FSDP2's private ``_get_post_forward_mesh_info`` (as ``fully_shard`` sees it) inside the block:
+    ``choose(reshard_after_forward, mesh_info)`` returns the post-forward mesh info to use, or None for FSDP's own
+    (which builds a new device mesh per call for an integer reshard, pytorch#153302)."""
+    module = _fsdp_module("_fully_shard")
+    build = module._get_post_forward_mesh_info
+
+    def post_forward_mesh_info(reshard_after_forward, mesh_info):
+        chosen = choose(reshard_after_forward, mesh_info)
+        return chosen if chosen is not None else build(reshard_after_forward, mesh_info)
+
+    module._get_post_forward_mesh_info = post_forward_mesh_info
+    try:
+        yield
+    finally:
+        module._get_post_forward_mesh_info = build
+
+
+# The parameter-group walks below take FSDP modules and return FSDP2's FSDPParamGroup objects as opaque handles:
+# only the functions here read or write their attributes.
+
+# checked: torch 2.13
+def fsdp_param_groups(module: nn.Module) -> list:
+    """``module._get_fsdp_state()._fsdp_param_groups``: the FSDP unit's parameter groups (opaque handles)."""
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+# checked: torch 2.13
+def fsdp_param_group(module: nn.Module) -> Any:
+    """``module._get_fsdp_state()._fsdp_param_group``: the unit's one parameter group, or None (no parameters)."""
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+# checked: torch 2.13
+def group_parameters(group: Any) -> list[tuple[nn.Parameter, int]]:
+    """``FSDPParam.sharded_param`` and ``padded_sharded_param_size.numel()`` of each of the group's parameters, in
+    the order of its flat all-gather / reduce-scatter buffers."""
+    return [(param.sharded_param, param.padded_sharded_param_size.numel()) for param in group.fsdp_params]
+
+
+# checked: torch 2.13
+def group_shard_world_size(group: Any) -> int:
+    """``FSDPParamGroup.mesh_info.shard_mesh_size``: the number of ranks the group's parameters are sharded over."""
+    return group.mesh_info.shard_mesh_size
+
+
+# checked: torch 2.13
+def group_reshards_after_forward(group: Any) -> bool:
+    """Whether ``FSDPParamGroup.post_forward_mesh_info`` is set (False: the group keeps its weights gathered
+    after forward, stage 1/2)."""
+    return group.post_forward_mesh_info is not None
+
+
+# checked: torch 2.13
+def group_is_sharded(group: Any) -> bool:
+    """Whether every ``FSDPParam.sharded_state`` of the group is ``ShardedState.SHARDED`` (no gathered weights and
+    no post-forward shard held)."""
+    sharded = _fsdp_module("_fsdp_param").ShardedState.SHARDED
+    return all(param.sharded_state == sharded for param in group.fsdp_params)
+
+
+# checked: torch 2.13
+def set_post_forward_mesh_info(group: Any, mesh_info: Any | None) -> None:
+    """Set the post-forward mesh info of the group and of each ``FSDPParam`` (None: the group's own
+    ``mesh_info``, i.e. plain resharding) and rebuild their private post-forward shard metadata
+    (``_init_sharded_post_forward_param_metadata``): switches hpZ between steps."""
+    info = mesh_info if mesh_info is not None else group.mesh_info
+    group.post_forward_mesh_info = info
+    for param in group.fsdp_params:
+        param.post_forward_mesh_info = info
+        param._init_sharded_post_forward_param_metadata(torch.empty(param._orig_size, device="meta"))
+
+
+# checked: torch 2.13
+def group_gathered_bytes(group: Any) -> int:
+    """Bytes the group holds beyond its shards: ``all_gather_outputs`` of unsharded parameters and the private
+    ``_sharded_post_forward_param_data`` of hpZ post-forward (secondary) shards."""
+    states = _fsdp_module("_fsdp_param").ShardedState
+    total = 0
+    for param in group.fsdp_params:
+        if param.sharded_state == states.UNSHARDED:
+            total += sum(t.untyped_storage().nbytes() for t in param.all_gather_outputs)
+        elif param.sharded_state == states.SHARDED_POST_FORWARD:
+            data = param._sharded_post_forward_param_data
+            total += data.numel() * data.element_size()
+    return total
+
+
+# ---------------------------------------------------------------- other torch internals (checked on torch 2.13)
+
+# checked: torch 2.13
+def apply_activation_checkpointing(model: nn.Module, check_fn: Callable[[nn.Module], bool]) -> None:
+    """torch's ``apply_activation_checkpointing`` from the private ``torch.distributed.algorithms._checkpoint``
+    package: non-reentrant checkpointing of the units of a model that has no ``gradient_checkpointing_enable``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as apply
+
+    apply(model, check_fn=check_fn)
+
+
+# checked: torch 2.13
+def process_group_timeout(group: dist.ProcessGroup, device_type: str) -> Any:
+    """``group._get_backend(device).options._timeout``: the group's collective timeout (None if the backend does
+    not expose it), so hf_zeropp's own groups can inherit the world group's."""
+    backend = group._get_backend(torch.device(device_type))
+    return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
+# checked: torch 2.13
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``DTensor._local_tensor`` (the tensor itself, so its ``_version`` shows in-place writes) or a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+# ---------------------------------------------------------------- transformers (checked on 4.56.1 - 5.23)
+
+# checked: transformers 4.56.1 - 5.23
+def no_split_modules(model: nn.Module) -> list[str]:
+    """``PreTrainedModel._no_split_modules``: the layer class names that must stay whole (FSDP units); [] if none."""
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+# checked: transformers 4.56.1 - 5.23 (5.x passes _initialize_weights an extra is_custom_code argument)
+def run_init_with_hooks(model: nn.Module, before: Callable[[nn.Module], None],
+                        after: Callable[[nn.Module], None]) -> None:
+    """Run transformers' ``model.initialize_weights()`` with every sub-model's private per-module
+    ``_initialize_weights`` wrapped in ``before(module)`` / ``after(module)`` (transformers' own traversal,
+    children first, each sub-model with its own ``_init_weights``)."""
+    from transformers import PreTrainedModel
+
+    wrapped = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+
+    def wrap(original: Callable) -> Callable:
+        def initialize(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            before(module)
+            original(module, *args, **kwargs)
+            after(module)
+        return initialize
+
+    for sub in wrapped:
+        sub._initialize_weights = wrap(sub._initialize_weights)
+    try:
+        model.initialize_weights()
+    finally:
+        for sub in wrapped:
+            del sub._initialize_weights
+
+
+# checked: transformers 4.56.1 - 5.23
+@contextlib.contextmanager
+def trainer_accelerator_class(factory: Callable[..., Any]) -> Iterator[None]:
+    """Inside the block, ``transformers.trainer.Accelerator`` (the module global that
+    ``Trainer.create_accelerator_and_postprocess`` instantiates) is ``factory``."""
+    import transformers.trainer as trainer_module
+
+    original = trainer_module.Accelerator
+    trainer_module.Accelerator = factory
+    try:
+        yield
+    finally:
+        trainer_module.Accelerator = original
+
+
+# checked: transformers 4.56.1 - 5.23; TRL 0.23 - 1.16 (SFT/DPO/GRPO trainers inherit these or, GRPOTrainer's
+# _load_optimizer_and_scheduler in 1.16, override them with the same signature)
+class TrainerHooks:
+    """Overrides of three private ``transformers.Trainer`` methods, each handed to an hf_zeropp-named method with
+    the next class's implementation: ``_move_model_to_device`` -> ``_zeropp_move_model_to_device``,
+    ``_save_optimizer_and_scheduler`` -> ``_zeropp_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``
+    -> ``_zeropp_load_optimizer_and_scheduler``. Put it right before the Trainer class in the bases."""
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        return self._zeropp_move_model_to_device(model, device, super()._move_model_to_device)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        return self._zeropp_save_optimizer_and_scheduler(output_dir, super()._save_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        return self._zeropp_load_optimizer_and_scheduler(checkpoint, super()._load_optimizer_and_scheduler)
+
+
+# checked: transformers 4.56.1 - 5.23
+def trainer_save(trainer: Any, output_dir: str, state_dict: dict[str, Any]) -> None:
+    """``Trainer._save(output_dir, state_dict=...)``: writes the model (on rank 0 only), tokenizer and args."""
+    trainer._save(output_dir, state_dict=state_dict)
+
+
+# checked: transformers 4.56.1 - 5.23
+def extend_valid_dict_fields(new_class: type, base_class: type, name: str) -> None:
+    """Set ``new_class._VALID_DICT_FIELDS`` to the base's plus ``name``: TrainingArguments parses the fields listed
+    there from JSON strings (``--zeropp '{"stage": 3}'``)."""
+    new_class._VALID_DICT_FIELDS = [*base_class._VALID_DICT_FIELDS, name]
+
+
+# ---------------------------------------------------------------- accelerate (checked on 1.10 - 1.15)
+
+# checked: accelerate 1.10 - 1.15
+def is_accelerate_prepared(obj: Any) -> bool:
+    """The private ``_is_accelerate_prepared`` flag that ``Accelerator.prepare`` sets on what it returns."""
+    return getattr(obj, "_is_accelerate_prepared", False)
+
+
+# checked: accelerate 1.10 - 1.15
+def accelerator_models(accelerator: Any) -> list:
+    """``Accelerator._models``, the live list of prepared models (save_state, clip_grad_norm_ and
+    get_state_dict walk it)."""
+    return accelerator._models
+
+
+# checked: accelerate 1.10 - 1.15
+def accelerator_optimizers(accelerator: Any) -> list:
+    """``Accelerator._optimizers``, the live list of prepared (wrapped) optimizers."""
+    return accelerator._optimizers
+
+
+# checked: accelerate 1.10 - 1.15
+@contextlib.contextmanager
+def accelerator_registry(accelerator: Any, models: list, optimizers: list) -> Iterator[None]:
+    """Inside the block ``Accelerator._models`` / ``_optimizers`` are ``models`` / ``optimizers`` (the originals
+    come back after): hides sharded models from Accelerate's own save_state/load_state."""
+    original_models, original_optimizers = accelerator._models, accelerator._optimizers
+    accelerator._models, accelerator._optimizers = models, optimizers
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers = original_models, original_optimizers
+
+
+__all__ = sorted(UPSTREAM)

@@ -1,0 +1,9 @@
+"""Shared helpers for the tests, the measurement scripts and the recipes' smoke runs — not used in training.
+
+They live in the package, not under ``tests/``, so that every one of those imports them the same way (no
+``sys.path`` edits) and so that ``run_distributed``'s spawned ranks and the per-rank workers find them:
+
+- :mod:`hf_zeropp.testing.spawn` — ``run_distributed``: a function on N gloo ranks in local processes;
+- :mod:`hf_zeropp.testing.corpus` — an offline text corpus and tokenizer (the standard library's own source);
+- :mod:`hf_zeropp.testing.tiny_models` — small seeded GPT-2 models, batches and training loops.
+"""

@@ -1,0 +1,72 @@
+"""The driver side: one emulated cluster per link rate (scripts/emulate_cluster.py: network namespaces, veth links
+shaped with tc, one torchrun per emulated node), each running ``bench_cluster.py --worker`` on every rank.
+
+Needs root, ``ip`` and ``tc`` (:func:`requirements_problem` says what is missing). Each link's raw per-rank results
+land in ``<out>/raw_<link>.json`` and the emulator's own counters in ``<out>/counters_<link>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent
+ROOT = SCRIPTS.parent
+ENTRY = SCRIPTS / "bench_cluster.py"
+
+
+def emulator():
+    """scripts/emulate_cluster.py as a module."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    import emulate_cluster
+
+    return emulate_cluster
+
+
+def requirements_problem() -> str | None:
+    """Why the emulated cluster cannot run here (root, ip, tc), or None."""
+    return emulator().requirements_problem()
+
+
+def run_link(link: str, args, out: Path, probe_mb: float) -> dict:
+    """One emulated cluster at ``link`` running every configuration; the worker's results plus the emulator's
+    counters and the machine's load average before/after."""
+    raw = out / f"raw_{link}.json"
+    counters = out / f"counters_{link}.json"
+    raw.unlink(missing_ok=True)
+    worker_args = ["--worker", "--result", str(raw), "--configs", args.configs, "--warmup", str(args.warmup),
+                   "--rounds", str(args.rounds), "--steps", str(args.steps), "--probe-mb", str(probe_mb),
+                   "--n-embd", str(args.n_embd), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
+                   "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
+                   "--batch-per-rank", str(args.batch_per_rank), "--precision", args.precision,
+                   "--breakdown-steps", str(args.breakdown_steps)]
+    cmd = [sys.executable, str(SCRIPTS / "emulate_cluster.py"), "--nodes", str(args.nodes), "--nproc-per-node",
+           str(args.nproc_per_node), "--link", link, "--counters-json", str(counters), "--",
+           str(ENTRY), *worker_args]
+    print(f"== link {link}: {' '.join(cmd)}", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    load_before = os.getloadavg()
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    try:
+        status = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the emulator stops its nodes and removes its namespaces
+        proc.wait(timeout=60)
+        raise SystemExit(f"link {link}: the run exceeded --timeout {args.timeout} s")
+    if status != 0 or not raw.exists():
+        raise SystemExit(f"link {link}: the emulated run failed (status {status}); see the output above")
+    result = json.loads(raw.read_text())
+    result["emulator"] = json.loads(counters.read_text())
+    result["loadavg_before_after"] = [load_before, os.getloadavg()]
+    return result
+
+
+def run_links(args, out: Path) -> dict[str, dict]:
+    """Every link of ``--links`` in turn (the gloo probe on the fastest one); link -> raw results."""
+    links = [link for link in args.links.split(",") if link]
+    probe_link = "none" if "none" in links else links[-1]
+    return {link: run_link(link, args, out, args.probe_mb if link == probe_link else 0) for link in links}

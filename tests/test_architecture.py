@@ -1,0 +1,80 @@
+"""The package's imports run one way: from the leaves (kernels, launcher, the private-API shim) through config,
+topology, the meter, the techniques and sharding to checkpoints and the integrations — no module imports one
+above its layer, so there is no import cycle (top-level, function-local and type-checking imports all count)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hf_zeropp
+
+PACKAGE = Path(hf_zeropp.__file__).resolve().parent
+
+LAYERS = [
+    {"kernels", "kernels.reference", "kernels.ops", "kernels._build", "launcher", "layout", "_compat", "testing",
+     "testing.corpus", "testing.spawn", "testing.tiny_models"},
+    {"config"},
+    {"topology"},
+    {"comm_meter", "hpz", "materialize"},
+    {"qwz", "qgz", "frozen", "full_state"},
+    {"sharding"},
+    {"checkpoint"},
+    {"accelerate_integration"},
+    {"trainer"},
+    {"", "__main__", "kernels.__main__"},
+]
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """hf_zeropp module -> the hf_zeropp modules it imports (names relative to the package; "" is the package)."""
+    modules = {_module(p) for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = _module(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
+                target = ".".join([*filter(None, base), *([node.module] if node.module else [])])
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_zeropp"):
+                target = node.module.removeprefix("hf_zeropp").lstrip(".")
+            else:
+                continue
+            for alias in node.names:  # `from . import kernels` imports the module kernels
+                candidate = f"{target}.{alias.name}".lstrip(".")
+                imported.add(candidate if candidate in modules else target)
+        graph[name] = imported - {name}
+    return graph
+
+
+def test_every_module_has_a_layer():
+    placed = set().union(*LAYERS)
+    assert set(import_graph()) <= placed, sorted(set(import_graph()) - placed)
+
+
+def test_imports_only_go_to_the_same_or_a_lower_layer_and_never_in_a_cycle():
+    layer = {module: i for i, members in enumerate(LAYERS) for module in members}
+    graph = import_graph()
+    upward = [(m, d) for m, deps in graph.items() for d in deps if layer[d] > layer[m]]
+    assert not upward, f"imports against the layering: {upward}"
+    visiting, done = set(), set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in visiting, f"import cycle: {' -> '.join([*path, module])}"
+        if module in done:
+            return
+        visiting.add(module)
+        for dependency in sorted(graph[module]):
+            visit(dependency, [*path, module])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])

@@ -1,0 +1,113 @@
+"""The kernels as torch custom ops: schemas and fake implementations pass ``torch.library.opcheck``, the profiler
+names them, ``torch.compile`` traces through them, a model whose blocks are compiled trains exactly like the eager
+one under ZeRO++, and the kernel build is cached by its sources (two checkouts share one build)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_zeropp.kernels as K
+from hf_zeropp.kernels import _build
+from hf_zeropp.testing.spawn import run_distributed
+
+pytestmark = pytest.mark.skipif(K.active_backend("cpu") != "cpp", reason="the cpp kernels did not build here")
+
+
+def _samples():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 300, generator=g).to(torch.bfloat16)
+    stacked8 = K.quantize(torch.randn(2, 3, 300, generator=g), 8, 64)
+    stacked4 = K.quantize(torch.randn(2, 3, 300, generator=g), 4, 64)
+    ops = torch.ops.hf_zeropp
+    return [
+        (ops.quantize.default, (x, 8, 64, False, 0, 0)),
+        (ops.quantize.default, (x.float(), 4, 64, True, 7, 32)),
+        (ops.dequantize.default, (*K.quantize(x, 4, 64), 4, 64, 0, torch.empty(3, 300))),
+        (ops.dequantize.default, (*K.quantize(x, 8, 64, hadamard=16), 8, 64, 16, torch.empty(3, 300,
+                                                                                               dtype=torch.bfloat16))),
+        (ops.swizzle_quantize.default, (x.reshape(-1), 2, 3, 2, 4, 32, False, 0, 0)),
+        (ops.swizzle_quantize.default, (x.float().reshape(-1), 3, 1, 1, 8, 64, True, 3, 64)),
+        (ops.dequant_reduce_quant.default, (*stacked8, 8, 64, 300, 4, False, 0)),
+        (ops.dequant_reduce_quant.default, (*stacked4, 4, 64, 300, 8, True, 5)),
+        (ops.dequant_reduce.default, (*stacked4, 4, 64, 0.25, 0, torch.empty(3, 300))),
+        (ops.dequant_reduce.default, (*stacked8, 8, 64, 1.0, 64, torch.empty(3, 300, dtype=torch.float16))),
+    ]
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_opcheck(index):
+    op, args = _samples()[index]
+    torch.library.opcheck(op, args)
+
+
+def test_the_compiled_kernels_are_the_registered_cpu_kernels_and_equal_the_reference():
+    x = torch.randn(4, 1000)
+    through_dispatcher = torch.ops.hf_zeropp.quantize(x, 4, 128, True, 11, 0)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("hf_zeropp::quantize", "CPU")
+    reference = K.quantize(x, 4, 128, stochastic=True, seed=11, backend="reference")
+    assert torch.equal(through_dispatcher[0], reference.codes) and torch.equal(through_dispatcher[1], reference.scales)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_the_profiler_names_every_kernel(backend):
+    x = torch.randn(2, 512)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        q = K.quantize(x, 4, 64, backend=backend)
+        K.dequantize(*q, bits=4, block_size=64, length=512, backend=backend)
+        s = K.swizzle_quantize(x.reshape(-1), 2, 2, 1, 4, 64, backend=backend)
+        stacked = s.codes.view(2, 2, -1), s.scales.view(2, 2, -1)
+        K.dequant_reduce_quant(*stacked, in_bits=4, out_bits=4, block_size=64, length=256, backend=backend)
+        K.dequant_reduce(*stacked, bits=4, block_size=64, length=256, backend=backend)
+    names = {event.name for event in prof.events()}
+    for op in ("quantize", "dequantize", "swizzle_quantize", "dequant_reduce_quant", "dequant_reduce"):
+        assert f"hf_zeropp::{op}" in names, (op, sorted(n for n in names if "hf_zeropp" in n))
+
+
+def test_torch_compile_traces_through_the_kernels_in_one_graph():
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        q = K.quantize(x * 2, 4, 64)
+        return K.dequantize(*q, bits=4, block_size=64, length=x.shape[-1]) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(round_trip, fullgraph=True, backend="aot_eager", dynamic=True)
+    for length in (256, 300):
+        x = torch.randn(3, length)
+        assert torch.equal(compiled(x), round_trip(x))
+
+
+def _compiled_blocks_worker(compile_blocks: bool) -> tuple[list[float], int]:
+    import hf_zeropp
+    from torch._dynamo.utils import counters
+    from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
+
+    torch._dynamo.reset()
+    model = tiny_gpt2(seed=0, n_embd=64)
+    hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig.preset("zeropp", node_size=2))
+    if compile_blocks:  # per block, as torchtitan does with FSDP2; FSDP's hooks stay outside the graphs
+        for block in model.transformer.h:
+            block.compile(backend="aot_eager")
+    losses = train(model, make_optimizer(model), range(4))
+    return losses, counters["stats"]["unique_graphs"]
+
+
+def test_blocks_compiled_with_torch_compile_train_like_eager_under_zeropp():
+    eager, no_graphs = run_distributed(_compiled_blocks_worker, 4, False)[0]
+    compiled, graphs = run_distributed(_compiled_blocks_worker, 4, True)[0]
+    assert no_graphs == 0 and graphs >= 2, (no_graphs, graphs)  # the blocks did run as compiled graphs
+    assert len(set(eager)) == len(eager)  # four different losses: the steps trained
+    assert compiled == pytest.approx(eager, abs=1e-6), (compiled, eager)
+
+
+def test_two_checkouts_with_the_same_sources_share_one_build(tmp_path):
+    K.active_backend("cpu")  # built (or loaded) from this checkout's sources
+    other_checkout = tmp_path / "cuda"
+    shutil.copytree(_build.source_dir(), other_checkout)
+    name = _build.extension_name(_build.CPU_EXTENSION, other_checkout)
+    assert name == _build.extension_name(_build.CPU_EXTENSION)
+    assert (_build.cache_dir() / name / f"{name}.so").is_file()  # so loading from the other checkout builds nothing
+    (other_checkout / "counter_hash.h").write_text((other_checkout / "counter_hash.h").read_text() + "\n// edit\n")
+    assert _build.extension_name(_build.CPU_EXTENSION, other_checkout) != name  # a header edit is a new build
