@@ -1,4 +1,4 @@
-"""Every private or internal upstream API hf_zeropp uses, in one place (issue M, item 4).
+"""Every private or internal upstream API hf_zeropp uses, in one place.
 
 Torch FSDP2's custom-collective base classes and parameter-group internals, ``torch._C`` and process-group
 internals, transformers' model-init and Trainer hooks, and Accelerate's prepared-object registry are reached only

@@ -12,7 +12,7 @@ to other nodes per collective as a fraction of ZeRO-3's — the ZeRO++ paper's T
 ``--configs stages``: ZeRO stages 0-3; prints per-rank parameter, gradient and optimizer-state bytes at rest, the
 gathered weights held after forward, and the bytes sent per step, beside the ZeRO formulas.
 
-``--configs qgz-options``: ZeRO++ all on, plain and with each qgZ accuracy option of issue I (Hadamard rotation,
+``--configs qgz-options``: ZeRO++ all on, plain and with each qgZ accuracy option (Hadamard rotation,
 stochastic rounding, 8-bit intra-node hop, inter-node error feedback, the best combination): bytes per step inside
 and across nodes, the extra memory each keeps between steps, and the step time as a ratio to plain ZeRO++ —
 medians over ``--steps`` steps, the configurations' steps interleaved so that machine noise hits all alike.

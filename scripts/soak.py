@@ -1,4 +1,4 @@
-"""Soak test (issue H, item 7): train a small GPT-2 with ZeRO++ (qwZ + hpZ + qgZ) for many steps on 4 CPU
+"""Soak test: train a small GPT-2 with ZeRO++ (qwZ + hpZ + qgZ) for many steps on 4 CPU
 processes (2 emulated nodes x 2) and check that resident memory stays flat after warm-up — no growth of comm
 buffers, hpZ secondary shards, meters or autograd state from step to step.
 

@@ -84,13 +84,14 @@ def _subgroups_inherit_the_world_timeout() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from hf_zeropp import topology
+    from hf_zeropp._compat import process_group_timeout
 
     def mesh(device_type, shape, names):
         ranks = torch.arange(int(torch.tensor(shape).prod())).view(shape)
         if len(shape) == 1:
             return DeviceMesh(device_type, ranks, mesh_dim_names=names)
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = dist.group.WORLD._get_backend(torch.device(device_type)).options._timeout
+        options._timeout = process_group_timeout(dist.group.WORLD, device_type)
         return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=((None, options),) * len(shape))
 
     topology._mesh = mesh

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_zeropp
+from hf_zeropp._compat import fsdp_param_groups, group_parameters, group_reshards_after_forward
 
 from . import breakdown
 from .configs import CONFIGS
@@ -117,10 +118,10 @@ def _fsdp_logical_per_step(model, world: int, node_size: int, param_bytes: int, 
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+        for group in fsdp_param_groups(module):
+            numel = sum(padded for _, padded in group_parameters(group))
             kinds = [("fwd_allgather", param_bytes), ("grad_reduce_scatter", reduce_bytes)]
-            if group.post_forward_mesh_info is not None:
+            if group_reshards_after_forward(group):
                 kinds.append(("bwd_allgather", param_bytes))
             for kind, size in kinds:
                 out[kind]["inter_node"] += numel * size * inter_peers
