@@ -4,12 +4,17 @@ one under ZeRO++, and the kernel build is cached by its sources (two checkouts s
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import hf_zeropp
 import hf_zeropp.kernels as K
 from hf_zeropp.kernels import _build
 from hf_zeropp.testing.spawn import run_distributed
@@ -104,10 +109,21 @@ def test_blocks_compiled_with_torch_compile_train_like_eager_under_zeropp():
 
 def test_two_checkouts_with_the_same_sources_share_one_build(tmp_path):
     K.active_backend("cpu")  # built (or loaded) from this checkout's sources
-    other_checkout = tmp_path / "cuda"
-    shutil.copytree(_build.source_dir(), other_checkout)
-    name = _build.extension_name(_build.CPU_EXTENSION, other_checkout)
-    assert name == _build.extension_name(_build.CPU_EXTENSION)
-    assert (_build.cache_dir() / name / f"{name}.so").is_file()  # so loading from the other checkout builds nothing
-    (other_checkout / "counter_hash.h").write_text((other_checkout / "counter_hash.h").read_text() + "\n// edit\n")
-    assert _build.extension_name(_build.CPU_EXTENSION, other_checkout) != name  # a header edit is a new build
+    name = _build.extension_name(_build.CPU_EXTENSION)
+    build = _build.cache_dir() / name
+    before = {p.name: p.stat().st_mtime_ns for p in build.iterdir()}
+    other_checkout = tmp_path / "checkout"  # the package and its kernel sources at another path
+    shutil.copytree(Path(hf_zeropp.__file__).parent, other_checkout / "hf_zeropp",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(_build.source_dir(), other_checkout / "cuda")
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import hf_zeropp.kernels as K; print(K.__file__, K.active_backend('cpu'))"],
+        env={**os.environ, "PYTHONPATH": str(other_checkout)}, cwd=tmp_path, capture_output=True, text=True,
+        timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == [str(other_checkout / "hf_zeropp" / "kernels" / "__init__.py"), "cpp"]
+    assert "building" not in loaded.stderr, loaded.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in build.iterdir()} == before  # nothing rebuilt or rewritten
+    header = other_checkout / "cuda" / "counter_hash.h"
+    header.write_text(header.read_text() + "\n// edit\n")
+    assert _build.extension_name(_build.CPU_EXTENSION, other_checkout / "cuda") != name  # a header edit: new build

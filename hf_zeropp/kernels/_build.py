@@ -5,7 +5,9 @@ the dispatcher as the CPU / CUDA kernels of ``torch.ops.hf_zeropp.*`` (:mod:`hf_
 asked for (or ahead of time by ``python -m hf_zeropp.kernels build``). The build is cached under a name that
 carries a hash of every source file (headers included), the torch version and the flags: two checkouts or venvs
 with the same sources share one build, and an edited kernel gets a new one — torch's own cache is keyed by the
-extension name only, so with a fixed name they would rebuild each other's. A failed build warns once and leaves
+extension name only, so with a fixed name they would rebuild each other's. A finished build is loaded directly
+(``torch.ops.load_library``), without asking cpp_extension, whose ninja file names the source paths and would
+rebuild for a checkout at another path. A failed build warns once and leaves
 the reference (plain torch) kernels in charge; asking for the failed backend by name raises with the compiler's
 message.
 """
@@ -87,17 +89,24 @@ def _compile(extension: str, verbose: bool, sources: Path | None = None) -> str:
     name = extension_name(extension, sources)
     build_dir = cache_dir() / name
     library = build_dir / f"{name}.so"
-    if not library.is_file():
-        print(f"hf_zeropp: building the {extension} kernels into {build_dir} (~40 s, once per source version)",
-              file=sys.stderr, flush=True)
+    ready = build_dir / "ready"  # written once a build is complete: the library is whole and matches the name
+    if ready.is_file():  # a cached build of these exact sources, maybe from another checkout: just load it
+        torch.ops.load_library(str(library))
+        return str(library)
+    print(f"hf_zeropp: building the {extension} kernels into {build_dir} (~40 s, once per source version)",
+          file=sys.stderr, flush=True)
     build_dir.mkdir(parents=True, exist_ok=True)
     common = dict(name=name, sources=[str(sources / f) for f in SOURCES[extension]], build_directory=str(build_dir),
                   is_python_module=False, verbose=verbose)
+    # cpp_extension builds under a lock file in build_dir (ranks starting together build once) and loads the library
     if extension == CPU_EXTENSION:
         cpp_extension.load(**common, extra_cflags=CPU_CFLAGS, extra_ldflags=["-fopenmp"])
     else:
         cpp_extension.load(**common, extra_cflags=["-O3", "-std=c++17"],
                            extra_cuda_cflags=CUDA_CFLAGS + cuda_arch_flags())
+    partial = ready.with_name(f"ready.{os.getpid()}")
+    partial.write_text(str(library))
+    os.replace(partial, ready)
     return str(library)
 
 
