@@ -79,10 +79,11 @@ def _resolve(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def _run(name: str, backend: str | None, device: torch.device, *args):
-    """Call op ``name``: through the dispatcher (compiled kernel for the device, the reference where there is none),
-    or the reference itself when asked for by name."""
-    if _resolve(backend, device) == "reference" and backend == "reference":
+def _run(name: str, backend: str | None, *args):
+    """Call op ``name`` (after :func:`_resolve` loaded the compiled kernels or refused the backend): through the
+    dispatcher (compiled kernel for the device, the reference where there is none), or the reference itself when
+    asked for by name."""
+    if backend == "reference":
         with torch.profiler.record_function(f"{ops.NAMESPACE}::{name}"):
             return ops.REFERENCE[name](*args)
     return getattr(torch.ops.hf_zeropp, name)(*args)
@@ -185,10 +186,11 @@ def quantize(
     rows = x.reshape(-1, length) if length else x.reshape(0, 0)
     codes_shape = (*lead, packed_length(length, bits))
     scales_shape = (*lead, num_blocks(length, block_size))
+    _resolve(backend, x.device)  # an unavailable backend asked for by name fails also for empty inputs
     if rows.numel() == 0:
         return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=x.device))
-    codes, scales = _run("quantize", backend, x.device, rows.contiguous(), bits, block_size, stochastic, seed, hadamard)
+    codes, scales = _run("quantize", backend, rows.contiguous(), bits, block_size, stochastic, seed, hadamard)
     return Quantized(codes.view(codes_shape), scales.view(scales_shape))
 
 
@@ -229,7 +231,7 @@ def dequantize(
     if codes.numel() == 0 or length == 0:
         return out
     rows = out.numel() // length
-    _run("dequantize", backend, codes.device, codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1),
+    _run("dequantize", backend, codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1),
          bits, block_size, hadamard, out.view(rows, length))
     return out
 
@@ -277,7 +279,7 @@ def swizzle_quantize(
     if length == 0:
         return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=x.device))
-    return Quantized(*_run("swizzle_quantize", backend, x.device, x.contiguous().view(-1), nodes, node_size, stages,
+    return Quantized(*_run("swizzle_quantize", backend, x.contiguous().view(-1), nodes, node_size, stages,
                            bits, block_size, stochastic, seed, hadamard))
 
 
@@ -323,7 +325,7 @@ def dequant_reduce_quant(
     if rows == 0 or length == 0:
         return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=codes.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=codes.device))
-    return Quantized(*_run("dequant_reduce_quant", backend, codes.device, codes.contiguous(), scales.contiguous(),
+    return Quantized(*_run("dequant_reduce_quant", backend, codes.contiguous(), scales.contiguous(),
                            in_bits, block_size, length, out_bits, stochastic, seed))
 
 
@@ -357,6 +359,6 @@ def dequant_reduce(
         out = torch.empty(shape, dtype=dtype, device=codes.device)
     if shape[0] == 0 or length == 0:
         return out
-    _run("dequant_reduce", backend, codes.device, codes.contiguous(), scales.contiguous(), bits, block_size,
+    _run("dequant_reduce", backend, codes.contiguous(), scales.contiguous(), bits, block_size,
          float(scale), hadamard, out)
     return out

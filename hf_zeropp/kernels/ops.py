@@ -73,20 +73,8 @@ def _dequant_reduce_fake(codes, scales, bits, block_size, scale, hadamard, out):
 
 # ---- the reference as the kernel of last resort ----
 
-def _reference_quantize(x, bits, block_size, stochastic, seed, hadamard):
-    return reference.quantize(x, bits, block_size, stochastic, seed, hadamard)
-
-
 def _reference_dequantize(codes, scales, bits, block_size, hadamard, out):
     out.copy_(reference.dequantize(codes, scales, bits, block_size, out.shape[1], out.dtype, hadamard))
-
-
-def _reference_swizzle_quantize(x, nodes, node_size, stages, bits, block_size, stochastic, seed, hadamard):
-    return reference.swizzle_quantize(x, nodes, node_size, stages, bits, block_size, stochastic, seed, hadamard)
-
-
-def _reference_dequant_reduce_quant(codes, scales, in_bits, block_size, length, out_bits, stochastic, seed):
-    return reference.dequant_reduce_quant(codes, scales, in_bits, block_size, length, out_bits, stochastic, seed)
 
 
 def _reference_dequant_reduce(codes, scales, bits, block_size, scale, hadamard, out):
@@ -94,10 +82,10 @@ def _reference_dequant_reduce(codes, scales, bits, block_size, scale, hadamard, 
 
 
 REFERENCE = {
-    "quantize": _reference_quantize,
+    "quantize": reference.quantize,  # same arguments as the op's schema
     "dequantize": _reference_dequantize,
-    "swizzle_quantize": _reference_swizzle_quantize,
-    "dequant_reduce_quant": _reference_dequant_reduce_quant,
+    "swizzle_quantize": reference.swizzle_quantize,
+    "dequant_reduce_quant": reference.dequant_reduce_quant,
     "dequant_reduce": _reference_dequant_reduce,
 }
 for _name, _kernel in REFERENCE.items():
