@@ -23,7 +23,6 @@ from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_c
 from .config import SCHEDULED_TECHNIQUES, ZeroPPConfig
 from .sharding import active_techniques, comm_stats, set_techniques, zeropp_state
 
-_SCHEDULED = SCHEDULED_TECHNIQUES  # ``*_until`` field -> the technique it switches off
 
 
 @functools.cache
@@ -64,9 +63,9 @@ class ZeroPPCallback(TrainerCallback):
     """
 
     def __init__(self, schedule: dict[str, float] | None = None, quantization_error_every: int = 10) -> None:
-        unknown = set(schedule or {}) - set(_SCHEDULED)
+        unknown = set(schedule or {}) - set(SCHEDULED_TECHNIQUES)
         if unknown:
-            raise ValueError(f"unknown schedule keys {sorted(unknown)}; use {sorted(_SCHEDULED)}")
+            raise ValueError(f"unknown schedule keys {sorted(unknown)}; use {sorted(SCHEDULED_TECHNIQUES)}")
         self.schedule = dict(schedule or {})
         self.quantization_error_every = quantization_error_every
         self._sums: dict[str, float] = {}
@@ -77,7 +76,7 @@ class ZeroPPCallback(TrainerCallback):
             return
         if self.schedule and state.max_steps:
             progress = state.global_step / state.max_steps
-            wanted = {_SCHEDULED[key]: progress < until for key, until in self.schedule.items()}
+            wanted = {SCHEDULED_TECHNIQUES[key]: progress < until for key, until in self.schedule.items()}
             current = active_techniques(model)
             changes = {name: on for name, on in wanted.items() if current[name] and not on}
             if changes:
