@@ -4,6 +4,7 @@ for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSp
 from .accelerate_integration import Accelerator
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
 from .config import PRESETS, ZeroPPConfig
+from .inference import gathered_for_inference
 from .materialize import from_pretrained
 from .sharding import (
     active_techniques,
@@ -39,6 +40,7 @@ __all__ = [
     "active_techniques",
     "comm_stats",
     "from_pretrained",
+    "gathered_for_inference",
     "gathered_parameter_bytes",
     "latest_checkpoint",
     "load_checkpoint",

@@ -41,6 +41,7 @@ UPSTREAM: dict[str, str] = {
     "set_post_forward_mesh_info": "FSDPParamGroup/FSDPParam.post_forward_mesh_info, "
                                   "FSDPParam._init_sharded_post_forward_param_metadata, FSDPParam._orig_size",
     "group_gathered_bytes": "FSDPParam.sharded_state, .all_gather_outputs, ._sharded_post_forward_param_data",
+    "keep_gathered_after_forward": "FSDPState._lazy_init, FSDPParamGroup.post_forward_mesh_info",
     "apply_activation_checkpointing": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
                                       ".apply_activation_checkpointing",
     "process_group_timeout": "ProcessGroup._get_backend(device).options._timeout",
@@ -180,6 +181,29 @@ def set_post_forward_mesh_info(group: Any, mesh_info: Any | None) -> None:
     for param in group.fsdp_params:
         param.post_forward_mesh_info = info
         param._init_sharded_post_forward_param_metadata(torch.empty(param._orig_size, device="meta"))
+
+
+# checked: torch 2.13
+@contextlib.contextmanager
+def keep_gathered_after_forward(root: nn.Module) -> Iterator[None]:
+    """Inside the block, every FSDP unit under ``root`` keeps its gathered weights after a forward (each group's
+    ``post_forward_mesh_info`` set to None, as FSDP does for its root); on exit each group's own setting comes back.
+
+    FSDP's lazy init (``FSDPState._lazy_init``, normally run by the first forward) runs first: it is what turns
+    the root's resharding off, and it must not happen inside the block, where the restore would undo it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root._get_fsdp_state()._lazy_init()
+    groups = [group for module in root.modules() if isinstance(module, FSDPModule)
+              for group in fsdp_param_groups(module)]
+    saved = [group.post_forward_mesh_info for group in groups]
+    for group in groups:
+        group.post_forward_mesh_info = None
+    try:
+        yield
+    finally:
+        for group, info in zip(groups, saved):
+            group.post_forward_mesh_info = info
 
 
 # checked: torch 2.13

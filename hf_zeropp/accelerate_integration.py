@@ -118,9 +118,8 @@ class Accelerator(accelerate.Accelerator):
         copy — and, if :attr:`freezes_for_evaluation` says so, frozen first so that ``quantized_nontrainable_weights``
         stores it INT8. It can still be prepared for training later."""
         if evaluation_mode and self.shards_models and not is_sharded(model) and self.zeropp_config.stage > 0:
-            if self.freezes_for_evaluation(model):
-                model.requires_grad_(False)
-            shard_model(model, self.zeropp_config, device=self.device, runs_schedule=self.zeropp_runs_schedule)
+            shard_model(model, self.zeropp_config, device=self.device, runs_schedule=self.zeropp_runs_schedule,
+                        frozen=self.freezes_for_evaluation(model))
             self._evaluation_models.add(id(model))
         if not is_sharded(model):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

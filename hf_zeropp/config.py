@@ -113,6 +113,10 @@ class ZeroPPConfig:
     wrap_modules: list[str] | None = _option(
         None, SHARDING, "class names of the FSDP units (None = the model's `_no_split_modules`)")
     activation_checkpointing: bool = _option(False, SHARDING, "recompute each transformer block in backward")
+    generation_gather: Literal["per_call", "per_token"] = _option(
+        "per_call", SHARDING, '`generate()` gathers the weights once per call and frees them after it (each rank '
+                              'then holds one full copy in the compute dtype), or `"per_token"`: once per forward, '
+                              'as FSDP does (for models too large to hold gathered)')
     # ---------------------------------------------------------------- qwZ
     quantized_weights: bool = _option(
         False, QWZ, "qwZ: block-quantized forward all-gather (stages 1–3)")

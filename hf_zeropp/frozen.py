@@ -47,6 +47,7 @@ class FrozenInt8Weight:
             self.group = topology.world_mesh.get_group()
             self._position, self._parts = topology.rank, topology.world_size
         self.uses_hpz = hpz is not None
+        self._held: dict[torch.dtype, torch.Tensor] | None = None  # dequantized weights kept while held
         self.load_(weight)
 
     def load_(self, weight: torch.Tensor) -> None:
@@ -61,12 +62,28 @@ class FrozenInt8Weight:
                                          backend=self.backend)
         self.codes = codes.view(self._parts, -1)[self._position].clone()
         self.scales = scales.view(self._parts, -1)[self._position].clone()
+        if self._held is not None:
+            self._held.clear()  # a weight dequantized before this load is stale
 
     def stored_bytes(self) -> int:
         return nbytes(self.codes) + nbytes(self.scales)
 
+    def hold(self) -> None:
+        """Keep each weight :meth:`materialize` dequantizes until :meth:`release`: later uses gather nothing
+        (:func:`hf_zeropp.gathered_for_inference`)."""
+        self._held = {}
+
+    def release(self) -> None:
+        self._held = None
+
+    def held_bytes(self) -> int:
+        return sum(weight.untyped_storage().nbytes() for weight in (self._held or {}).values())
+
     def materialize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The full weight in ``dtype``: a temporary tensor, gathered (INT8) and dequantized now."""
+        """The full weight in ``dtype``: gathered (INT8) and dequantized now, a temporary tensor — or, while held,
+        the one dequantized at the first use."""
+        if self._held is not None and dtype in self._held:
+            return self._held[dtype]
         gathered_codes, gathered_scales = all_gather_packed([self.codes, self.scales], self.group)
         self.meter.record("frozen_allgather", self.group, nbytes(self.codes) + nbytes(self.scales),
                           f"frozen int{self.bits} weight all_gather" + (" (hpZ copy)" if self.uses_hpz else "")
@@ -75,7 +92,10 @@ class FrozenInt8Weight:
         weight = kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(torch.float32).view(world, -1),
                                     bits=self.bits, block_size=self.block_size, length=self.shard_numel, dtype=dtype,
                                     backend=self.backend)
-        return weight.view(-1)[: self.numel].view(self.shape)
+        weight = weight.view(-1)[: self.numel].view(self.shape)
+        if self._held is not None:
+            self._held[dtype] = weight
+        return weight
 
 
 class _FrozenMatmul(torch.autograd.Function):
@@ -165,7 +185,11 @@ def frozen_stores(model: nn.Module) -> dict[str, FrozenInt8Weight]:
             for name, module in model.named_modules() if hasattr(module, "_zeropp_frozen")}
 
 
+def unique_frozen_stores(model: nn.Module) -> list[FrozenInt8Weight]:
+    """Each INT8 store of ``model`` once (a tied weight's store serves several names)."""
+    return list({id(store): store for store in frozen_stores(model).values()}.values())
+
+
 def frozen_weight_bytes(model: nn.Module) -> int:
     """Bytes this rank holds for INT8-stored frozen weights (shards, scales and hpZ copies)."""
-    stores = {id(store): store for store in frozen_stores(model).values()}
-    return sum(store.stored_bytes() for store in stores.values())
+    return sum(store.stored_bytes() for store in unique_frozen_stores(model))

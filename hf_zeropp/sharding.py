@@ -41,6 +41,7 @@ from .config import ZeroPPConfig
 from .frozen import quantize_frozen_weights
 from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
 from .hpz import reshard_all, set_hpz, shared_hpz_mesh
+from .inference import held_weight_bytes, route_generate
 from .materialize import RANK0, REAL, agree_on_layout, fill_shards, frozen_weight_source
 from .qgz import make_reduce_scatter
 from .qwz import make_all_gather
@@ -60,10 +61,12 @@ class ZeroPPState:
     all_gathers: list = field(default_factory=list)
     reduce_scatters: list = field(default_factory=list)
     hpz_enabled: bool = False
+    inference_depth: int = 0  # open gathered_for_inference blocks
 
 
 def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dict | None = None,
-                *, device: torch.device | str | None = None, runs_schedule: bool = False) -> nn.Module:
+                *, device: torch.device | str | None = None, runs_schedule: bool = False,
+                frozen: bool = False) -> nn.Module:
     """Shard ``model`` in place with ZeRO ``config.stage`` (+ ZeRO++ options) and return it.
 
     ``config`` is anything :meth:`ZeroPPConfig.coerce` takes: a :class:`ZeroPPConfig`, a preset name
@@ -78,6 +81,11 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     The model may hold real weights on every rank, be built on the meta device on every rank (the model's own
     init fills only this rank's shards), or hold real weights on rank 0 only (:func:`hf_zeropp.from_pretrained`;
     rank 0 sends them): see :mod:`hf_zeropp.materialize`.
+
+    ``frozen=True`` is for a model that is only evaluated — an RLHF reference or reward model: every parameter is
+    frozen (``requires_grad_(False)``; train/eval mode is left to the caller) before sharding, so the model holds
+    no gradients or optimizer state, and with ``quantized_nontrainable_weights`` its matrices are stored INT8
+    (their gathers inside the node with hpZ).
     """
     config = ZeroPPConfig.coerce(config)
     if not runs_schedule:
@@ -90,6 +98,8 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
             "or call torch.distributed.init_process_group first"
         )
     device = torch.device(device) if device is not None else _default_device()
+    if frozen:
+        model.requires_grad_(False)
     topology = get_topology(config, device.type)  # launch checks (node and hpZ sizes); builds no group yet
     _units(model, config.wrap_modules)  # a wrap_modules that matches nothing fails before any collective
     # all ranks build every group now, in order
@@ -135,6 +145,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     if callable(getattr(model, "generate", None)):
         # generate() calls forward without the root module's __call__: let FSDP gather the root's weights for it
         register_fsdp_forward_method(model, "generate")
+        route_generate(model, config.generation_gather)
     _remember_replaced_parameters(before, dict(model.named_parameters()))
     _install_optimizer_hooks()
     for param in model.parameters():  # lets an optimizer step find the model whose gathered copies it makes stale
@@ -538,8 +549,10 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 def gathered_parameter_bytes(model: nn.Module) -> int:
     """Bytes of gathered weights this rank holds right now beyond its shards: full unsharded parameters of units
-    that are not resharded, plus hpZ's post-forward (secondary) slices."""
-    return sum(group_gathered_bytes(group) for module in fsdp_modules(model) for group in fsdp_param_groups(module))
+    that are not resharded, hpZ's post-forward (secondary) slices, and frozen INT8 weights held dequantized by
+    :func:`hf_zeropp.gathered_for_inference`."""
+    fsdp = sum(group_gathered_bytes(group) for module in fsdp_modules(model) for group in fsdp_param_groups(module))
+    return fsdp + held_weight_bytes(model)
 
 
 __all__ = ["active_techniques", "clip_grad_norm_", "comm_stats", "fsdp_modules", "gathered_parameter_bytes", "no_sync",

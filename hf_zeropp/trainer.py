@@ -10,7 +10,9 @@ optimizer's shards with torch DCP (``zeropp_optimizer/``) beside the consolidate
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,11 @@ class ZeroPPTrainerMixin(TrainerHooks):
 
     def create_accelerator_and_postprocess(self) -> None:
         config = ZeroPPConfig.coerce(getattr(self.args, "zeropp", None), argument="zeropp")
+        if getattr(self.args, "ds3_gather_for_generation", True) is False and config.generation_gather != "per_token":
+            # TRL's switch for DeepSpeed ZeRO-3 asks for per-forward gathering in generation: the same request
+            warnings.warn("ds3_gather_for_generation=False: hf_zeropp's generate() gathers the weights per forward "
+                          "(generation_gather='per_token') instead of once per call", stacklevel=2)
+            config = dataclasses.replace(config, generation_gather="per_token")
         self.zeropp_config: ZeroPPConfig = config
         # the callback below applies the config's *_until schedule: tell the Accelerator (and shard_model)
         with trainer_accelerator_class(functools.partial(Accelerator, zeropp=config, zeropp_runs_schedule=True)):

@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchm
 
 from benchmarks.analysis import analyse, targets  # noqa: E402
 from benchmarks.configs import CONFIGS, LINKS  # noqa: E402
-from benchmarks.orchestrate import requirements_problem, run_link, run_links  # noqa: E402
+from benchmarks.orchestrate import parse_cli, requirements_problem, run_link, run_links  # noqa: E402
 from benchmarks.report import chart, markdown, write  # noqa: E402
 from benchmarks.wire import KINDS, expected_node_wire, wire_factors  # noqa: E402
 
@@ -80,7 +80,6 @@ def main() -> int:
     parser.add_argument("--out", default="out/bench_cluster", help="folder for results.json/.md/.png")
     parser.add_argument("--quick", action="store_true", help="fewer steps (1 warm-up, 3 rounds x 1 step, 1 breakdown step)")
     parser.add_argument("--links", default=",".join(LINKS), help="comma list of link rates; default %(default)s")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=1, help="steps per configuration per round")
@@ -93,18 +92,11 @@ def main() -> int:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank; default 1")
     parser.add_argument("--probe-mb", type=float, default=4.0, help="buffer of the gloo probe (on the fastest link)")
     parser.add_argument("--breakdown-steps", type=int, default=2,
                         help="extra steps per hf_zeropp configuration under torch.profiler (time in the all-gather / "
                              "reduce-scatter calls and their kernels); 0 = off")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per link before giving up")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    for name in args.configs.split(","):
-        if name and name not in CONFIGS:
-            parser.error(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+    args = parse_cli(parser, CONFIGS)
     if args.worker:
         from benchmarks.worker import worker  # torch, transformers and hf_zeropp: only on the ranks
 

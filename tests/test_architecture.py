@@ -17,7 +17,7 @@ LAYERS = [
     {"config"},
     {"topology"},
     {"comm_meter", "hpz", "materialize"},
-    {"qwz", "qgz", "frozen", "full_state"},
+    {"qwz", "qgz", "frozen", "full_state", "inference"},
     {"sharding"},
     {"checkpoint"},
     {"accelerate_integration"},

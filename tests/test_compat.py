@@ -194,6 +194,16 @@ def test_torch_fsdp2_internals(one_rank_group):
         with torch.no_grad():
             model(x)
         assert _compat.group_gathered_bytes(block_group) > 0  # the post-forward shard is back
+    with entry("keep_gathered_after_forward"):
+        model.reshard()
+        block.reshard()
+        with _compat.keep_gathered_after_forward(model):
+            assert not _compat.group_reshards_after_forward(block_group)
+            with torch.no_grad():
+                model(x)
+            assert _compat.group_gathered_bytes(block_group) >= 4 * (24 + 6)  # kept gathered
+        assert _compat.group_reshards_after_forward(block_group)  # each group's own setting is back
+        assert not _compat.group_reshards_after_forward(root_group)
 
     with entry("apply_activation_checkpointing"):
         plain_model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,20 @@ def test_every_preset_has_its_config_file_in_recipes():
         assert ZeroPPConfig.from_file(path) == ZeroPPConfig.preset(path.stem), path.name
     accurate = ZeroPPConfig.preset("zeropp-accurate")
     assert (accurate.gradient_hadamard, accurate.gradient_bits, accurate.quantized_gradients) == (64, 4, True)
+
+
+def test_rlhf_recipes_hold_valid_configs_and_the_full_size_one_gathers_once_per_generate_call():
+    import yaml
+
+    folder = Path(__file__).resolve().parent.parent / "recipes" / "lora_rlhf"
+    configs = {path.stem: ZeroPPConfig.coerce(yaml.safe_load(path.read_text())["training"]["zeropp"])
+               for path in sorted(folder.glob("*.yaml"))}
+    assert set(configs) == {"mini", "qwen2.5-0.5b_gsm8k"}
+    full = configs["qwen2.5-0.5b_gsm8k"]
+    assert (full.quantized_nontrainable_weights, full.hpz_partition_size, full.generation_gather) == (
+        True, "node", "per_call")
+    with pytest.raises(ValueError, match="generation_gather"):
+        ZeroPPConfig(generation_gather="per_layer")
 
 
 def test_from_file_yaml_json_and_nested(tmp_path):
@@ -171,8 +186,8 @@ def test_enumerations_are_literal_annotations_checked_by_one_routine():
         return typing.get_origin(hint) is typing.Literal or any(literal(a) for a in typing.get_args(hint))
 
     enumerations = {f.name for f in dataclasses.fields(ZeroPPConfig) if literal(hints[f.name])}
-    assert enumerations == {"stage", "mixed_precision", "reduce_dtype", "weight_bits", "hpz_partition_size",
-                            "gradient_bits", "gradient_intra_bits", "kernel_backend"}
+    assert enumerations == {"stage", "mixed_precision", "reduce_dtype", "generation_gather", "weight_bits",
+                            "hpz_partition_size", "gradient_bits", "gradient_intra_bits", "kernel_backend"}
     for name, bad, allowed in [("stage", 7, "0 (data parallel), 1, 2 or 3"), ("gradient_bits", 16, "8 or 4"),
                                ("reduce_dtype", "fp8", "one of ('fp32', 'bf16', 'fp16')"),
                                ("kernel_backend", "triton", "one of ('reference', 'cpp', 'cuda') or None"),

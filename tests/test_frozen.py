@@ -72,7 +72,8 @@ def _lora_run(mixed_precision: str, output: str | None):
         step = torch.nn.functional.pad(rows.view(WORLD, shard).abs(), (0, -shard % BLOCK)).view(WORLD, -1, BLOCK)
         step = (step.amax(-1) / 127).repeat_interleave(BLOCK, -1)[:, :shard].reshape(-1)[: original.numel()]
         bound_ok &= bool(((restored.reshape(-1) - original).abs() <= step / 2 * (1 + 1e-5) + 1e-12).all())
-    # generation: every forward gathers the frozen weights from the node-local copy
+    # generation: the frozen weights are gathered from the node-local copy
+    hf_zeropp.comm_stats(model, reset=True)  # not the gathers of the bound check above
     with torch.no_grad():
         model.generate(input_ids=ids[:1, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
     generation = hf_zeropp.comm_stats(model, reset=True)
@@ -127,7 +128,9 @@ def test_frozen_weight_traffic_stays_in_the_node_in_training_and_generation(fp32
             frozen = stats["frozen_allgather"]
             assert frozen["inter_node"] == 0 and frozen["intra_node"] > 0
             assert "hpZ copy" in " | ".join(stats["implementations"]["frozen_allgather"])
-        assert result["generation"]["frozen_allgather"]["calls"] >= 5 * 9  # wpe + 4 matrices x 2 blocks per forward
+        # generate() gathers each frozen weight once per call (generation_gather="per_call"), not once per token:
+        # wpe + 4 matrices x 2 blocks
+        assert result["generation"]["frozen_allgather"]["calls"] == 9
 
 
 def test_adapter_saves_in_peft_format_and_merges(fp32_run):

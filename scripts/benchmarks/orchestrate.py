@@ -7,6 +7,7 @@ land in ``<out>/raw_<link>.json`` and the emulator's own counters in ``<out>/cou
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -27,42 +28,62 @@ def emulator():
     return emulate_cluster
 
 
+def parse_cli(parser: argparse.ArgumentParser, configs: dict) -> argparse.Namespace:
+    """The options every emulated-cluster benchmark has (``--configs`` out of ``configs``, ``--threads``,
+    ``--timeout``, and the hidden ``--worker``/``--result`` its ranks run with), parsed and checked."""
+    parser.add_argument("--configs", default=",".join(configs), help="comma list of: " + ", ".join(configs))
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank; default 1")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per link before giving up")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for name in args.configs.split(","):
+        if name and name not in configs:
+            parser.error(f"unknown configuration {name!r}; choose from {', '.join(configs)}")
+    return args
+
+
 def requirements_problem() -> str | None:
     """Why the emulated cluster cannot run here (root, ip, tc), or None."""
     return emulator().requirements_problem()
 
 
-def run_link(link: str, args, out: Path, probe_mb: float) -> dict:
-    """One emulated cluster at ``link`` running every configuration; the worker's results plus the emulator's
-    counters and the machine's load average before/after."""
-    raw = out / f"raw_{link}.json"
-    counters = out / f"counters_{link}.json"
+def run_emulated(entry: Path, worker_args: list[str], link: str, raw: Path, counters: Path, *, nodes: int,
+                 nproc_per_node: int, threads: int, timeout: float) -> dict:
+    """``entry`` with ``worker_args`` on every rank of one emulated cluster at ``link``; the worker's results (it
+    writes ``raw``) plus the emulator's counters and the machine's load average before/after."""
     raw.unlink(missing_ok=True)
-    worker_args = ["--worker", "--result", str(raw), "--configs", args.configs, "--warmup", str(args.warmup),
-                   "--rounds", str(args.rounds), "--steps", str(args.steps), "--probe-mb", str(probe_mb),
-                   "--n-embd", str(args.n_embd), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
-                   "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
-                   "--batch-per-rank", str(args.batch_per_rank), "--precision", args.precision,
-                   "--breakdown-steps", str(args.breakdown_steps)]
-    cmd = [sys.executable, str(SCRIPTS / "emulate_cluster.py"), "--nodes", str(args.nodes), "--nproc-per-node",
-           str(args.nproc_per_node), "--link", link, "--counters-json", str(counters), "--",
-           str(ENTRY), *worker_args]
+    cmd = [sys.executable, str(SCRIPTS / "emulate_cluster.py"), "--nodes", str(nodes), "--nproc-per-node",
+           str(nproc_per_node), "--link", link, "--counters-json", str(counters), "--", str(entry), *worker_args]
     print(f"== link {link}: {' '.join(cmd)}", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     load_before = os.getloadavg()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     try:
-        status = proc.wait(timeout=args.timeout)
+        status = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.terminate()  # the emulator stops its nodes and removes its namespaces
         proc.wait(timeout=60)
-        raise SystemExit(f"link {link}: the run exceeded --timeout {args.timeout} s")
+        raise SystemExit(f"link {link}: the run exceeded --timeout {timeout} s")
     if status != 0 or not raw.exists():
         raise SystemExit(f"link {link}: the emulated run failed (status {status}); see the output above")
     result = json.loads(raw.read_text())
     result["emulator"] = json.loads(counters.read_text())
     result["loadavg_before_after"] = [load_before, os.getloadavg()]
     return result
+
+
+def run_link(link: str, args, out: Path, probe_mb: float) -> dict:
+    """One emulated cluster at ``link`` running every bench_cluster configuration."""
+    raw = out / f"raw_{link}.json"
+    worker_args = ["--worker", "--result", str(raw), "--configs", args.configs, "--warmup", str(args.warmup),
+                   "--rounds", str(args.rounds), "--steps", str(args.steps), "--probe-mb", str(probe_mb),
+                   "--n-embd", str(args.n_embd), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
+                   "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
+                   "--batch-per-rank", str(args.batch_per_rank), "--precision", args.precision,
+                   "--breakdown-steps", str(args.breakdown_steps)]
+    return run_emulated(ENTRY, worker_args, link, raw, out / f"counters_{link}.json", nodes=args.nodes,
+                        nproc_per_node=args.nproc_per_node, threads=args.threads, timeout=args.timeout)
 
 
 def run_links(args, out: Path) -> dict[str, dict]:
