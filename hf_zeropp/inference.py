@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ._compat import keep_gathered_after_forward
 from .frozen import unique_frozen_stores
@@ -37,12 +38,16 @@ PER_TOKEN = "weights gathered for every forward (generation_gather='per_token')"
 def gathered_for_inference(model: nn.Module) -> Iterator[nn.Module]:
     """Gather ``model``'s weights at their first use inside the block and keep them until it ends (every rank must
     enter it: the gathers are collectives). For generation and no-grad forward loops: evaluation, rewards,
-    reference log-probs. Re-entering (``generate()`` inside the block) is a no-op. ``model`` must be a model
-    :func:`hf_zeropp.shard_model` returned."""
+    reference log-probs. Re-entering (``generate()`` inside the block) is a no-op, and so is a model that is not
+    sharded (a one-process run, where ``hf_zeropp.Accelerator`` shards nothing): it has nothing to gather. A part
+    of a sharded model is refused: the block belongs around the model ``shard_model`` returned."""
     state = getattr(model, "_zeropp", None)
     if state is None:
-        raise ValueError(f"gathered_for_inference needs a model sharded by hf_zeropp (shard_model or "
-                         f"hf_zeropp.Accelerator.prepare); {type(model).__name__} is not")
+        if any(isinstance(module, FSDPModule) for module in model.modules()):
+            raise ValueError(f"gathered_for_inference got a part of a sharded model ({type(model).__name__}); pass "
+                             f"the model that shard_model or hf_zeropp.Accelerator.prepare returned")
+        yield model
+        return
     if state.inference_depth:
         yield model
         return

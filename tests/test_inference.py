@@ -232,3 +232,30 @@ def test_trl_ds3_gather_for_generation_false_selects_per_token_gathering(tmp_pat
         said = [str(w.message) for w in caught if "ds3_gather_for_generation" in str(w.message)]
         assert trainer.zeropp_config.generation_gather == expected
         assert len(said) == (0 if gather else 1), said
+
+
+def test_gathered_for_inference_on_an_unsharded_model_is_a_no_op_and_on_a_part_of_a_sharded_one_an_error():
+    """One process (hf_zeropp.Accelerator shards nothing there): the same script runs unchanged. A submodule of a
+    sharded model is refused, naming what to pass instead (here a stock fully_shard'ed module stands in for it)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import hf_zeropp
+
+    model = tiny_gpt2()
+    with hf_zeropp.gathered_for_inference(model) as inside, torch.no_grad():
+        assert inside is model
+        model(input_ids=_prompts(0))
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fully_shard(model.transformer.h[0])
+        with pytest.raises(ValueError, match="part of a sharded model .*pass the model that shard_model"):
+            with hf_zeropp.gathered_for_inference(model):
+                pass
+    finally:
+        dist.destroy_process_group()
