@@ -2,8 +2,8 @@
 """RLHF on slow links, side by side: ZeRO-3 with bf16 frozen weights vs ZeRO++ with frozen INT8 + hpZ, each with
 generation gathering the weights per token (FSDP's per-forward gathering) and once per generate() call.
 
-    sudo .venv/bin/python scripts/bench_lora.py --out out/bench_lora           # ~10 min
-    sudo .venv/bin/python scripts/bench_lora.py --out out/bench_lora --quick   # ~5 min
+    sudo .venv/bin/python scripts/bench_lora.py --out out/bench_lora           # ~8 min (bf16; fp32 ~5 min)
+    sudo .venv/bin/python scripts/bench_lora.py --out out/bench_lora --quick   # ~6 min
 
 For each link rate (100mbit, 1gbit, unshaped) one emulated cluster of 2 nodes x 2 gloo ranks is built with
 scripts/emulate_cluster.py (network namespaces, veth links shaped with tc) and, in that one launch, every
