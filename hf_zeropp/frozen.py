@@ -193,3 +193,8 @@ def unique_frozen_stores(model: nn.Module) -> list[FrozenInt8Weight]:
 def frozen_weight_bytes(model: nn.Module) -> int:
     """Bytes this rank holds for INT8-stored frozen weights (shards, scales and hpZ copies)."""
     return sum(store.stored_bytes() for store in unique_frozen_stores(model))
+
+
+def held_weight_bytes(model: nn.Module) -> int:
+    """Bytes of dequantized frozen weights held right now (by :func:`hf_zeropp.gathered_for_inference`)."""
+    return sum(store.held_bytes() for store in unique_frozen_stores(model))

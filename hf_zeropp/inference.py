@@ -84,8 +84,3 @@ def route_generate(model: nn.Module, gather: str) -> None:
         return generate(*args, **kwargs)
 
     model.generate = generate_per_call if gather == "per_call" else generate_per_token
-
-
-def held_weight_bytes(model: nn.Module) -> int:
-    """Bytes of dequantized frozen weights held right now by :func:`gathered_for_inference`."""
-    return sum(store.held_bytes() for store in unique_frozen_stores(model))

@@ -38,10 +38,10 @@ from ._compat import (
 )
 from .comm_meter import CommMeter, in_backward
 from .config import ZeroPPConfig
-from .frozen import quantize_frozen_weights
+from .frozen import held_weight_bytes, quantize_frozen_weights
 from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
 from .hpz import reshard_all, set_hpz, shared_hpz_mesh
-from .inference import held_weight_bytes, route_generate
+from .inference import route_generate
 from .materialize import RANK0, REAL, agree_on_layout, fill_shards, frozen_weight_source
 from .qgz import make_reduce_scatter
 from .qwz import make_all_gather
@@ -98,10 +98,10 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
             "or call torch.distributed.init_process_group first"
         )
     device = torch.device(device) if device is not None else _default_device()
-    if frozen:
-        model.requires_grad_(False)
     topology = get_topology(config, device.type)  # launch checks (node and hpZ sizes); builds no group yet
     _units(model, config.wrap_modules)  # a wrap_modules that matches nothing fails before any collective
+    if frozen:  # after the checks: a refused call leaves the model as it was
+        model.requires_grad_(False)
     # all ranks build every group now, in order
     _ = topology.world_mesh, topology.node_mesh, topology.hpz_mesh, topology.control_group
     meter = CommMeter(topology)

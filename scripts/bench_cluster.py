@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchm
 
 from benchmarks.analysis import analyse, targets  # noqa: E402
 from benchmarks.configs import CONFIGS, LINKS  # noqa: E402
-from benchmarks.orchestrate import parse_cli, requirements_problem, run_link, run_links  # noqa: E402
+from benchmarks.orchestrate import output_folder, parse_cli, requirements_problem, run_link, run_links  # noqa: E402
 from benchmarks.report import chart, markdown, write  # noqa: E402
 from benchmarks.wire import KINDS, expected_node_wire, wire_factors  # noqa: E402
 
@@ -105,12 +105,9 @@ def main() -> int:
     if args.quick:
         args.warmup, args.rounds, args.steps = 1, 3, 1
         args.breakdown_steps = min(args.breakdown_steps, 1)
-    problem = requirements_problem()
-    if problem:
-        print(f"bench_cluster: {problem}", file=sys.stderr)
+    out = output_folder(args, "bench_cluster")
+    if out is None:
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     summary = analyse(run_links(args, out), args)
     summary["settings"] = {k: v for k, v in vars(args).items() if k not in ("worker", "result")}

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmarks package
 
-from benchmarks.orchestrate import parse_cli, requirements_problem, run_emulated  # noqa: E402
+from benchmarks.orchestrate import output_folder, parse_cli, run_emulated  # noqa: E402
 
 LINKS = ("100mbit", "1gbit", "none")
 CONFIGS = {
@@ -261,15 +261,13 @@ def main() -> int:
         return 0
     if args.quick:
         args.warmup, args.rounds = 1, 2
-    problem = requirements_problem()
-    if problem:
-        print(f"bench_lora: {problem}", file=sys.stderr)
+    out = output_folder(args, "bench_lora")
+    if out is None:
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     worker_args = ["--worker", "--configs", args.configs, "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-                   "--precision", args.precision, "--prompts", str(args.prompts), "--generations", str(args.generations), "--prompt-length",
-                   str(args.prompt_length), "--new-tokens", str(args.new_tokens)]
+                   "--precision", args.precision, "--prompts", str(args.prompts), "--generations",
+                   str(args.generations), "--prompt-length", str(args.prompt_length), "--new-tokens",
+                   str(args.new_tokens)]
     started = time.monotonic()
     raw = {}
     for link in (link for link in args.links.split(",") if link):

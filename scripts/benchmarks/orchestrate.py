@@ -43,6 +43,18 @@ def parse_cli(parser: argparse.ArgumentParser, configs: dict) -> argparse.Namesp
     return args
 
 
+def output_folder(args: argparse.Namespace, program: str) -> Path | None:
+    """``args.out``, created, for a driver run; None (after saying why on stderr) where the emulated cluster cannot
+    run here."""
+    problem = requirements_problem()
+    if problem:
+        print(f"{program}: {problem}", file=sys.stderr)
+        return None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def requirements_problem() -> str | None:
     """Why the emulated cluster cannot run here (root, ip, tc), or None."""
     return emulator().requirements_problem()
