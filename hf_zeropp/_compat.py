@@ -207,6 +207,24 @@ def keep_gathered_after_forward(root: nn.Module) -> Iterator[None]:
 
 
 # checked: torch 2.13
+def set_unshard_async_op(root: nn.Module, async_op: bool) -> None:
+    """FSDP's private switch for issuing every unit's pre-forward/pre-backward all-gather with ``async_op``."""
+    root._set_unshard_async_op(async_op)
+
+
+# checked: torch 2.13
+def drop_pending_gather(group: Any) -> None:
+    """Wait for and discard a prefetched all-gather that no forward or backward consumed: FSDP keeps it in
+    ``_all_gather_result`` and would serve it at the unit's next unshard, with the weights of when it started."""
+    result = group._all_gather_result
+    if result is None:
+        return
+    if isinstance(result.all_gather_work, dist.Work):
+        result.all_gather_work.wait()
+    group._all_gather_result = None
+
+
+# checked: torch 2.13
 def group_gathered_bytes(group: Any) -> int:
     """Bytes the group holds beyond its shards: ``all_gather_outputs`` of unsharded parameters and the private
     ``_sharded_post_forward_param_data`` of hpZ post-forward (secondary) shards."""

@@ -16,6 +16,7 @@ count their codes and scales.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -147,5 +148,58 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.Pro
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op: Any,
                           async_op: bool = False):
+    """A reduce-scatter whose wire bytes are the logical ones on every backend.
+
+    gloo runs ``reduce_scatter_tensor`` as a full all-reduce (each rank then sends ``2 (g-1)/g`` of the buffer
+    instead of ``(g-1)/g``: 1.5x at 2 nodes x 2 measured on the veth counters), so on gloo the SUM is an all-to-all
+    of the chunks followed by a local sum in rank order; NCCL's native one is kept."""
+    if op == dist.ReduceOp.SUM and dist.get_backend(group) == dist.Backend.GLOO:
+        return _reduce_scatter_as_all_to_all(output, input, group, async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def _reduce_scatter_as_all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                                  async_op: bool) -> dist.Work | None:
+    peers = dist.get_world_size(group)
+    chunks = input.contiguous().view(peers, -1)
+    arrived = torch.empty_like(chunks)
+    # as bytes: gloo's all-to-all moves any dtype that way, bf16 included
+    work = dist.all_to_all_single(arrived.view(torch.uint8), chunks.view(torch.uint8), group=group, async_op=True)
+
+    def sum_arrivals() -> None:
+        total = arrived[0].float()
+        for part in arrived[1:]:
+            total += part.float()
+        output.copy_(total.view(output.shape))
+
+    return finish_after(work, sum_arrivals, async_op)
+
+
+class DeferredWork(dist.Work):
+    """A started collective whose result needs one more local step (dequantize, sum) once it arrives; FSDP and the
+    callers hold it like any ``dist.Work`` and the step runs at the first ``wait``."""
+
+    def __init__(self, work: dist.Work, finish: Callable[[], None]) -> None:
+        super().__init__()
+        self._work = work
+        self._finish = finish
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._finish is not None:
+            self._work.wait()
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None
+
+
+def finish_after(work: dist.Work, finish: Callable[[], None], async_op: bool) -> dist.Work | None:
+    """``work`` with ``finish`` run after it: now (``async_op=False``, returns None) or at the first wait."""
+    deferred = DeferredWork(work, finish)
+    if async_op:
+        return deferred
+    deferred.wait()
+    return None

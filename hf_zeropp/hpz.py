@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ._compat import (
+    drop_pending_gather,
     fsdp_param_groups,
     group_is_sharded,
     group_reshards_after_forward,
@@ -59,9 +60,12 @@ def reshard_all(model: nn.Module) -> None:
 
     Always safe outside a backward pass; needed before weights change other than through the optimizer (loading
     a checkpoint), or a secondary shard left by an evaluation forward would serve stale weights (DeepSpeed #7606).
+    A prefetched gather not consumed yet is dropped too, for the same reason.
     """
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            for group in fsdp_param_groups(module):
+                drop_pending_gather(group)
             module.reshard()
 
 

@@ -5,6 +5,10 @@ FSDP2 hands the all-gather a flat buffer of this rank's (padded) parameter shard
 default, one symmetric scale per block), all-gathers codes and scales, and dequantizes every rank's slot into
 the output — this rank's own slot too, so all ranks compute with bit-identical weights.
 
+FSDP's prefetch calls it with ``async_op=True`` (on CPU hf_zeropp asks FSDP for that, see
+``sharding._prefetch_gathers``): the codes are then on the wire while the previous unit computes, and the returned
+work dequantizes them when FSDP waits for the gather.
+
 Only gathers whose group spans more than one node are quantized unless ``quantize_hpz_gather`` is set: the
 node-local hpZ gather in backward runs at full precision by default, as in the ZeRO++ paper.
 
@@ -16,12 +20,14 @@ values, against 0.007 for matrices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from . import kernels
 from ._compat import AllGather
-from .comm_meter import CommMeter, _PlainAlloc, all_gather_single, allgather_kind, nbytes
+from .comm_meter import CommMeter, _PlainAlloc, all_gather_single, allgather_kind, finish_after, nbytes
 from .layout import VectorSlices
 from .config import ZeroPPConfig
 from .topology import Topology
@@ -70,19 +76,26 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
         original = input_tensor.clone() if self.meter.track_errors else None  # the output overwrites the input
         vectors, positions = self._take_vectors(kind, input_tensor, world)
         codes, scales = kernels.quantize(input_tensor, self.bits, self.block_size, backend=self.backend)
-        gathered = all_gather_packed([codes, scales, *vectors], group)
-        rows = output_tensor.view(world, shard_numel)
-        kernels.dequantize(gathered[0], gathered[1].view(torch.float32), bits=self.bits, block_size=self.block_size,
-                           length=shard_numel, dtype=output_tensor.dtype, out=rows, backend=self.backend)
-        if vectors:
-            rows[:, positions] = gathered[2].view(output_tensor.dtype)
-        if original is not None:
-            self.meter.record_error(kind, original, rows[dist.get_rank(group)])
+        work, arrivals = start_all_gather_packed([codes, scales, *vectors], group)
         self.meter.record(kind, group, sum(nbytes(t) for t in (codes, scales, *vectors)),
                           f"qwZ int{self.bits} all_gather (block {self.block_size})"
                           + (f", 1-D parameters in {input_tensor.dtype}" if vectors else "")
                           + f", kernels {kernels.active_backend(input_tensor.device, self.backend)}")
-        return None
+
+        def dequantize_arrivals() -> None:
+            gathered = arrivals()
+            rows = output_tensor.view(world, shard_numel)
+            kernels.dequantize(gathered[0], gathered[1].view(torch.float32), bits=self.bits,
+                               block_size=self.block_size, length=shard_numel, dtype=output_tensor.dtype, out=rows,
+                               backend=self.backend)
+            if vectors:
+                rows[:, positions] = gathered[2].view(output_tensor.dtype)
+            if original is not None:
+                self.meter.record_error(kind, original, rows[dist.get_rank(group)])
+
+        # with async_op (FSDP's prefetch) the codes travel while the caller computes; they are dequantized when
+        # FSDP waits for the gather, right before the unit's forward or backward needs its weights
+        return finish_after(work, dequantize_arrivals, async_op)
 
     def _take_vectors(self, kind: str, shard: torch.Tensor, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """This rank's 1-D parameter values (sent as they are) and their positions; zeroes them in ``shard``, so that
@@ -102,21 +115,33 @@ class QuantizedAllGather(_PlainAlloc, AllGather):
         return [vectors], positions
 
 
-def all_gather_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """All-gather several tensors of any dtypes as one byte buffer (one collective, not several: at these sizes the
-    per-collective latency costs more than the copy). Returns each as ``(world, bytes)`` int8 rows; view them back
-    with the tensor's dtype."""
+def start_all_gather_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup
+                            ) -> tuple[dist.Work, Callable[[], list[torch.Tensor]]]:
+    """Start an all-gather of several tensors of any dtypes as one byte buffer (one collective, not several: at
+    these sizes the per-collective latency costs more than the copy). Returns the work and a function that, once
+    the work is done, gives each tensor as ``(world, bytes)`` int8 rows; view them back with the tensor's dtype."""
     world = dist.get_world_size(group)
     as_bytes = [t.contiguous().reshape(-1).view(torch.int8) for t in tensors]
     packed = torch.cat(as_bytes)
     gathered = packed.new_empty(world * packed.numel())
-    all_gather_single(gathered, packed, group=group)
-    rows = gathered.view(world, -1)
-    parts, offset = [], 0
-    for part in as_bytes:
-        parts.append(rows[:, offset:offset + part.numel()].contiguous())
-        offset += part.numel()
-    return parts
+    work = all_gather_single(gathered, packed, group=group, async_op=True)
+
+    def parts() -> list[torch.Tensor]:
+        rows = gathered.view(world, -1)
+        unpacked, offset = [], 0
+        for part in as_bytes:
+            unpacked.append(rows[:, offset:offset + part.numel()].contiguous())
+            offset += part.numel()
+        return unpacked
+
+    return work, parts
+
+
+def all_gather_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """:func:`start_all_gather_packed`, waited for."""
+    work, parts = start_all_gather_packed(tensors, group)
+    work.wait()
+    return parts()
 
 
 def make_all_gather(config: ZeroPPConfig, topology: Topology, meter: CommMeter,

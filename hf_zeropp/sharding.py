@@ -35,6 +35,7 @@ from ._compat import (
     group_gathered_bytes,
     group_parameters,
     no_split_modules,
+    set_unshard_async_op,
 )
 from .comm_meter import CommMeter, in_backward
 from .config import ZeroPPConfig
@@ -134,8 +135,13 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
         if config.stage == 3 and topology.hpz_size > 1:
             reshard = topology.hpz_size
         with shared_hpz_mesh(topology):
-            for unit in [*units, model]:
+            for unit in units:
                 fully_shard(unit, mesh=topology.world_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+            # the root keeps its weights gathered from forward to backward, as stock FSDP2's root does: backward
+            # starts with it, so resharding would only gather the same weights again (the tied embedding, mostly)
+            fully_shard(model, mesh=topology.world_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+        if device.type == "cpu":
+            _prefetch_gathers(model, units)
     # named as the original class from here on (transformers judges by the class's module whether a model is its own
     # code, which decides how its init treats modules without parameters)
     model.__class__ = _zeropp_class(type(model), original_class)
@@ -371,6 +377,23 @@ def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
     units += blocks
     inside_a_block = {id(m) for b in blocks for m in b.modules() if m is not b}
     return [u for u in units if id(u) not in inside_a_block]
+
+
+def _prefetch_gathers(model: nn.Module, units: list[nn.Module]) -> None:
+    """Overlap the weight gathers with compute where collectives block the host (gloo on CPU).
+
+    On CUDA, FSDP runs its gathers on a separate stream and the host runs ahead, so they overlap by themselves. On
+    CPU a collective called without ``async_op`` blocks until its bytes have arrived, so FSDP is told to issue
+    every gather asynchronously and, in forward, to start each unit's gather when the unit before it starts
+    computing (backward prefetches one unit ahead by default). Units are chained in the order ``model.modules()``
+    visits them, the execution order of transformers models; where it is not, a gather starts early and its
+    weights are held longer, nothing else. A prefetched gather that no forward consumed is dropped by
+    :func:`hf_zeropp.hpz.reshard_all`, so an optimizer step never leaves one holding old weights."""
+    position = {id(module): index for index, module in enumerate(model.modules())}
+    chain = [model, *sorted(units, key=lambda unit: position[id(unit)])]
+    for current, following in zip(chain, chain[1:]):
+        current.set_modules_to_forward_prefetch([following])
+    set_unshard_async_op(model, True)
 
 
 def _call(model: nn.Module, method: str) -> nn.Module | None:

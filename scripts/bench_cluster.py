@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """The ZeRO++ paper's low-bandwidth result on one machine: 2 emulated nodes x 2 ranks over shaped links.
 
-    sudo .venv/bin/python scripts/bench_cluster.py --out out/bench_cluster          # ~7 min
-    sudo .venv/bin/python scripts/bench_cluster.py --out out/bench_cluster --quick  # ~3 min
+    sudo .venv/bin/python scripts/bench_cluster.py --out out/bench_cluster          # ~12 min
+    sudo .venv/bin/python scripts/bench_cluster.py --out out/bench_cluster --quick  # ~5 min
+    python scripts/predict_cluster.py out/bench_cluster   # the cost model, checked against it (see that file)
 
-For each link rate (100mbit, 1gbit, unshaped) one emulated cluster is built with scripts/emulate_cluster.py
+For each link rate (100mbit, 300mbit, 1gbit, 3gbit, unshaped) one emulated cluster is built with scripts/emulate_cluster.py
 (2 network namespaces, 2 gloo ranks each, veth links shaped with tc tbf) and, in that one launch, every
 configuration is trained side by side (random token batches of the same shape):
 
@@ -35,9 +36,10 @@ between nodes; with g ranks in node order, d per node, a ring crossing every nod
 
 * all-gather (gloo::allgather, ring): a node sends (g-1)/g of the buffer across, logically d(g-d)/g
   -> wire = logical x (g-1)/(d(g-d))        (2x2: 0.75)
-* reduce-scatter (ProcessGroupGloo runs a full ring all-reduce, then keeps its chunk): 2(g-1)/g across, logically
-  d(g-d)/g -> wire = logical x 2(g-1)/(d(g-d))   (2x2: 1.5)
-* all-to-all (pairwise): wire = logical x 1; qgZ's inter-node hop (a group of one rank per node) likewise.
+* torch's reduce-scatter (ProcessGroupGloo runs a full ring all-reduce, then keeps its chunk; the stock FSDP2
+  peer): 2(g-1)/g across, logically d(g-d)/g -> wire = logical x 2(g-1)/(d(g-d))   (2x2: 1.5)
+* all-to-all (pairwise): wire = logical x 1; qgZ's inter-node hop (a group of one rank per node) likewise, and
+  hf_zeropp's own reduce-scatter, which on gloo is an all-to-all of the chunks plus a local sum.
 
 The benchmark measures these factors once per run (``probe``: each collective alone between counter reads) and
 compares, per configuration and node, the expected wire bytes (meter x factor) with the veth counters over the

@@ -170,7 +170,14 @@ def _qwz_worker(node_size: int):
             output = torch.empty(world * SHARD, dtype=dtype)
             output.view(world, SHARD)[rank].copy_(shard)  # FSDP's layout: the input is a view into the output
             comm = QuantizedAllGather(meter, topology, bits, BLOCK, quantize_node_local=False)
-            comm(output, output.view(world, SHARD)[rank], dist.group.WORLD)
+            # as FSDP's prefetch calls it: a work handle; the output is written when it is waited on
+            pending = torch.full((world * SHARD,), float("nan"), dtype=dtype)
+            pending.view(world, SHARD)[rank].copy_(shard)
+            work = comm(pending, pending.view(world, SHARD)[rank], dist.group.WORLD, async_op=True)
+            results[("async handle", dtype, bits)] = isinstance(work, dist.Work)
+            work.wait()
+            assert comm(output, output.view(world, SHARD)[rank], dist.group.WORLD) is None
+            results[("async equals sync", dtype, bits)] = torch.equal(pending, output)
             blocks = torch.nn.functional.pad(exact.float().view(world, SHARD).abs(), (0, -SHARD % BLOCK))
             step = blocks.view(world, -1, BLOCK).amax(-1) / {8: 127, 4: 7}[bits]
             bound = step.repeat_interleave(BLOCK, -1)[:, :SHARD].reshape(-1) / 2
@@ -189,6 +196,38 @@ def test_qwz_all_gather_stays_within_half_a_step_in_every_dtype(nodes, node_size
         implementation = " | ".join(result["stats"]["implementations"]["fwd_allgather"])
         # a single node's gather never leaves the node, so it is not quantized unless asked
         assert ("qwZ" in implementation) == (nodes > 1), implementation
+
+
+def _reduce_scatter_worker():
+    """hf_zeropp's plain reduce-scatter against the float64 sum of every rank's input (each rank rebuilds all
+    inputs from their seeds), in fp32 and bf16, called as FSDP calls it and as a work handle."""
+    from hf_zeropp.comm_meter import reduce_scatter_single
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = {"backend": dist.get_backend()}
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = [(torch.randn(world, SHARD, generator=torch.Generator().manual_seed(7 + r)) * 3).to(dtype)
+                  for r in range(world)]
+        exact = sum(x[rank].double() for x in inputs)
+        magnitude = sum(x[rank].double().abs() for x in inputs)
+        tolerance = exact.abs() * torch.finfo(dtype).eps + magnitude * world * torch.finfo(torch.float32).eps
+        sync = torch.empty(SHARD, dtype=dtype)
+        assert reduce_scatter_single(sync, inputs[rank].reshape(-1), None, dist.ReduceOp.SUM) is None
+        pending = torch.full((SHARD,), float("nan"), dtype=dtype)
+        work = reduce_scatter_single(pending, inputs[rank].reshape(-1), None, dist.ReduceOp.SUM, async_op=True)
+        work.wait()
+        for name, got in (("sync", sync), ("async", pending)):
+            results[(name, dtype)] = bool(((got.double() - exact).abs() <= tolerance).all())
+    return results
+
+
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (1, 3)])
+def test_plain_reduce_scatter_sums_exactly_on_gloo(nodes, node_size):
+    """On gloo it runs as an all-to-all plus a local sum (so its wire bytes are the logical ones, see
+    scripts/benchmarks/wire.py and the bench_cluster probe); the sums must be the reduce-scatter's."""
+    for result in run_distributed(_reduce_scatter_worker, nodes * node_size, node_size=node_size):
+        assert result.pop("backend") == "gloo"
+        assert all(result.values()), result
 
 
 def _error_feedback_worker(steps: int):

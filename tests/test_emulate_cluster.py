@@ -82,9 +82,58 @@ def test_wire_rule_matches_gloo_ring_algebra():
 
     f = bench_cluster.wire_factors(4, 2)
     assert f["fwd_allgather"] == pytest.approx(0.75)
-    assert f["grad_reduce_scatter"] == pytest.approx(1.5)
+    assert f["torch_reduce_scatter"] == pytest.approx(1.5)  # torch's gloo reduce-scatter: a whole all-reduce
+    assert f["grad_reduce_scatter"] == 1.0  # hf_zeropp's on gloo: all-to-all, wire bytes = logical
     assert f["qgz_inter"] == 1.0
     assert bench_cluster.wire_factors(2, 2)["fwd_allgather"] == 0.0  # one node: nothing crosses
+
+
+def _bench_results(tmp_path: Path) -> Path:
+    """A bench_cluster results.json at 2 x 2 with hand-picked step times and logical bytes (sums over ranks)."""
+    rows_none = {
+        "FSDP2": {"median_step_s": 0.5, "logical_inter_by_kind_per_step": {"fwd_allgather": 8e6, "bwd_allgather": 0,
+                                                                            "torch_reduce_scatter": 8e6}},
+        "ZeRO-3": {"median_step_s": 0.5, "logical_inter_by_kind_per_step": {"fwd_allgather": 8e6, "bwd_allgather": 0,
+                                                                             "grad_reduce_scatter": 8e6}},
+        "ZeRO++": {"median_step_s": 0.5, "logical_inter_by_kind_per_step": {"fwd_allgather": 4e6, "qgz_inter": 1e6,
+                                                                             "qgz_1d_full_precision": 0.1e6}},
+    }
+    measured = {"FSDP2": 1.22, "ZeRO-3": 1.00, "ZeRO++": 0.6}
+    results = {"settings": {"nodes": 2, "nproc_per_node": 2},
+               "links": {"none": {"rows": rows_none},
+                         "100mbit": {"rows": {n: {"median_step_s": t} for n, t in measured.items()}}}}
+    folder = tmp_path / "bench_2x2"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(results))
+    return folder
+
+
+def test_cost_model_against_hand_computed_steps(tmp_path):
+    """T(B) = T0 + blocking/B + max(0, overlappable/B - T0) with gloo's wire factors at 2 x 2, B = 12.5 MB/s:
+    FSDP2 (all blocking) 0.5 + (8e6 x 0.75 + 8e6 x 1.5) / 2 / B = 1.22 s; ZeRO-3 (gathers overlappable, hidden)
+    0.5 + 8e6 x 1 / 2 / B = 0.82 s; ZeRO++ 0.5 + (1e6 + 0.1e6) / 2 / B = 0.544 s."""
+    import predict_cluster
+
+    folder = _bench_results(tmp_path)
+    results = json.loads((folder / "results.json").read_text())
+    got = {v["config"]: v for v in predict_cluster.validate(results)}
+    assert got["FSDP2"]["predicted_s"] == pytest.approx(1.22)
+    assert got["ZeRO-3"]["predicted_s"] == pytest.approx(0.82)
+    assert got["ZeRO-3"]["error"] == pytest.approx(0.82 / 1.00 - 1)
+    assert got["ZeRO++"]["predicted_s"] == pytest.approx(0.544)
+    fractions = predict_cluster.measured_fractions(results)
+    assert fractions["forward"] == pytest.approx(0.5)
+    # M = 8e6 / 4 ranks / (2/4) = 4 MB; a node sends 1e6 / 2 of it across per (n-1)/n = 1/2: 0.25 M
+    assert fractions["gradients_hop"] == pytest.approx(0.25)
+    # the paper's cluster: ZeRO++ gains more on the slower link, and never loses
+    paper = predict_cluster.paper_table(fractions, tflops=40.0, latency_s=0.005)
+    by_key = {(p["model"], p["tokens_per_gpu"], p["link_gbit"]): p["speedup"] for p in paper}
+    assert by_key[("18B", 1024, 100)] > by_key[("18B", 1024, 400)] >= 1.0
+    completed = subprocess.run([sys.executable, str(SCRIPTS / "predict_cluster.py"), str(folder), "--out",
+                                str(tmp_path / "predict")], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert (tmp_path / "predict" / "speedup_vs_link.png").stat().st_size > 0
+    assert "| 2x2 | 100mbit | FSDP2 | 1.220 | 1.220 | +0.0 % |" in completed.stdout
 
 
 def test_profiler_breakdown_attributes_kernels_to_the_enclosing_call():

@@ -60,6 +60,84 @@ def test_a_no_grad_forward_between_backward_and_step_leaves_no_stale_weights():
             assert with_forward["after"] == plain["after"], (name, runs)
 
 
+def _loss_after_a_step_with_an_unconsumed_prefetch(options: dict, call_first_block: bool) -> float:
+    """Backward, then (optionally) the first block called on its own under no_grad: its forward prefetches the
+    next block's gather, which nothing consumes before the optimizer step; then the loss with the new weights."""
+    import hf_zeropp
+
+    model = tiny_gpt2()
+    hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**options))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = local_batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    if call_first_block:
+        with torch.no_grad():
+            model.transformer.h[0](torch.randn(*ids.shape, model.config.n_embd))
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+def _unconsumed_prefetch_runs() -> dict:
+    return {name: {call: _loss_after_a_step_with_an_unconsumed_prefetch(STALE_CONFIGS[name], call)
+                   for call in (False, True)} for name in ("zero3", "zeropp")}
+
+
+def test_a_prefetched_gather_never_serves_weights_from_before_a_step():
+    """On CPU every unit's forward starts the next unit's gather; one that no forward consumed (a block called on
+    its own) is dropped by the post-step hook, or FSDP would serve it at the next forward with the old weights."""
+    for rank_result in run_distributed(_unconsumed_prefetch_runs, 4, node_size=2):
+        for name, runs in rank_result.items():
+            assert runs[True] == runs[False], (name, runs)
+
+
+def _forward_gather_order(options: dict) -> dict:
+    """The order in which forward gathers start and blocks compute, and the async_op FSDP passed each gather."""
+    import hf_zeropp
+    from hf_zeropp._compat import in_backward
+    from hf_zeropp.qwz import QuantizedAllGather
+
+    model = tiny_gpt2(n_layer=3)
+    hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**options))
+    events, async_flags = [], []
+    original_call = QuantizedAllGather.__call__
+
+    def call(self, output_tensor, input_tensor, group, async_op=False):
+        if not in_backward():
+            events.append("gather")
+        async_flags.append(async_op)
+        return original_call(self, output_tensor, input_tensor, group, async_op)
+
+    QuantizedAllGather.__call__ = call
+    try:
+        for index, block in enumerate(model.transformer.h):
+            block.attn.register_forward_pre_hook(lambda module, args, index=index: events.append(f"block{index}"))
+        ids = local_batch(0)
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        QuantizedAllGather.__call__ = original_call
+    return {"events": events, "async": async_flags}
+
+
+def _gather_order_runs() -> dict:
+    return {name: _forward_gather_order(STALE_CONFIGS[name]) for name in ("zero3", "zeropp")}
+
+
+def test_gathers_are_prefetched_and_asynchronous_on_cpu():
+    """gloo collectives block the host unless issued async: every gather (forward and backward) is, and in forward
+    the gather of block k+1 starts before block k computes — the root, block 0 and block 1 are in flight or done
+    when block 0 starts (without prefetching: only the root and block 0)."""
+    for rank_result in run_distributed(_gather_order_runs, 4, node_size=2):
+        for name, got in rank_result.items():
+            events = got["events"]
+            units = 4  # root + 3 blocks
+            for k in range(3):
+                started = events[: events.index(f"block{k}")].count("gather")
+                assert started == min(k + 3, units), (name, k, events)
+            assert got["async"] and all(got["async"]), (name, got["async"])
+
+
 def _per_rank_init(stage: int) -> dict:
     """Every rank builds its own random weights (seeded by rank, as a script that seeds per rank or not at all)."""
     import hf_zeropp

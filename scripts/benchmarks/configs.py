@@ -11,4 +11,4 @@ CONFIGS: dict[str, dict | None] = {
     "ZeRO++": {"preset": "zeropp"},
     "ZeRO++ ref": {"preset": "zeropp", "kernel_backend": "reference"},
 }
-LINKS = ("100mbit", "1gbit", "none")
+LINKS = ("100mbit", "300mbit", "1gbit", "3gbit", "none")

@@ -28,13 +28,15 @@ def markdown(summary: dict, args) -> str:
         "",
         "Wire bytes are per node per step over the node's veth (TCP payload = tx_bytes - 66 B x packets); "
         "'expected' = comm_stats logical inter-node bytes x gloo's algorithm factor (all-gather ring "
-        "(g-1)/(d(g-d)), reduce-scatter = ring all-reduce 2(g-1)/(d(g-d)), all-to-all 1). Stock FSDP2 has no "
+        "(g-1)/(d(g-d)); torch's reduce-scatter (stock FSDP2) = ring all-reduce 2(g-1)/(d(g-d)); hf_zeropp's "
+        "reduce-scatter and all-to-alls 1). Link efficiency = the busiest node's measured wire time at the link "
+        "rate (frames and all) / the step time. Stock FSDP2 has no "
         "meter: its logical bytes are derived from its FSDP2 units with the meter's rule (the same derivation "
         "applied to ZeRO-3 matches ZeRO-3's meter; see results.json derived_vs_meter).",
         "",
         "| link | config | step s (p25–p75) | tokens/s | vs FSDP2 | vs ZeRO-3 | logical inter (MB/step, all ranks) "
-        "| expected wire (MB/node/step) | measured wire (MB/node/step) | meter vs counter |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| expected wire (MB/node/step) | measured wire (MB/node/step) | meter vs counter | link efficiency |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for link, data in summary["links"].items():
         for name, row in data["rows"].items():
@@ -51,7 +53,8 @@ def markdown(summary: dict, args) -> str:
             lines.append("| " + " | ".join(cells) + " | ")
             lines[-1] += (" / ".join(f"{e / 1e6:.2f}" for e in expected) if expected else "-") + " | "
             lines[-1] += (" / ".join(f"{m / 1e6:.2f}" for m in measured) if measured else "-") + " | "
-            lines[-1] += (" / ".join(f"{x * 100:+.1f} %" for x in error if x is not None) if error else "-") + " |"
+            lines[-1] += (" / ".join(f"{x * 100:+.1f} %" for x in error if x is not None) if error else "-") + " | "
+            lines[-1] += (f"{row['link_efficiency'] * 100:.0f} %" if "link_efficiency" in row else "-") + " |"
     lines += ["", "Targets (ratios from the same launch per link):", ""]
     for t in summary["targets"]:
         lines.append(f"* {'MET' if t['met'] else 'MISSED'}: {t['target']} — {t['value']}")

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 KINDS = ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter", "grad_allreduce", "qgz_intra", "qgz_inter",
-         "qgz_1d_full_precision")
+         "qgz_1d_full_precision", "torch_reduce_scatter")
 HEADER_BYTES = 66
 
 
@@ -25,11 +25,12 @@ def wire_factors(world: int, node_size: int) -> dict[str, float]:
     return {
         "fwd_allgather": ring,              # world-group ring all-gather (qwZ: codes and scales alike)
         "bwd_allgather": ring,              # world group without hpZ; with hpZ the meter's inter bytes are 0
-        "grad_reduce_scatter": 2 * ring,    # gloo reduce-scatter = ring all-reduce of the whole buffer
+        "grad_reduce_scatter": 1.0,         # hf_zeropp's on gloo: pairwise all-to-all + local sum
         "grad_allreduce": ring,             # meter counts 2 M (g-1)/g per rank, the ring sends 2 M (g-1)/g per node
         "qgz_intra": 1.0,                   # node-local (inter bytes are 0)
         "qgz_inter": 1.0,                   # pairwise all-to-all among one rank per node
-        "qgz_1d_full_precision": 2 * ring,  # qgZ's plain reduce-scatter of 1-D parameters (world group)
+        "qgz_1d_full_precision": 1.0,       # qgZ's plain reduce-scatter of 1-D parameters (as grad_reduce_scatter)
+        "torch_reduce_scatter": 2 * ring,   # torch's gloo reduce-scatter (the stock peer) = ring all-reduce
     }
 
 

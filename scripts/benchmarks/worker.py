@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_zeropp
+from hf_zeropp.comm_meter import reduce_scatter_single
 from hf_zeropp._compat import fsdp_param_groups, group_parameters, group_reshards_after_forward
 
 from . import breakdown
@@ -40,6 +41,7 @@ def _probe(node_size: int, megabytes: float) -> dict:
     logical_node = {  # logical inter-node bytes per node (meter rule) for each probe
         "all_gather (world)": d * (g - d) / g * nbytes,
         "reduce_scatter (world)": d * (g - d) / g * nbytes,
+        "reduce_scatter (world, hf_zeropp)": d * (g - d) / g * nbytes,
         "all_reduce (world)": 2 * d * (g - d) / g * nbytes,
         "all_to_all (world)": d * (g - d) / g * nbytes,
         "all_to_all (one rank per node)": d * (nodes - 1) / nodes * nbytes,
@@ -48,12 +50,15 @@ def _probe(node_size: int, megabytes: float) -> dict:
     ops = {
         "all_gather (world)": lambda: dist.all_gather_into_tensor(torch.empty(n), x[: n // g]),
         "reduce_scatter (world)": lambda: dist.reduce_scatter_tensor(torch.empty(n // g), x),
+        "reduce_scatter (world, hf_zeropp)": lambda: reduce_scatter_single(torch.empty(n // g), x, None,
+                                                                            dist.ReduceOp.SUM),
         "all_reduce (world)": lambda: dist.all_reduce(x.clone()),
         "all_to_all (world)": lambda: dist.all_to_all_single(torch.empty(n), x),
         "all_to_all (one rank per node)": lambda: dist.all_to_all_single(torch.empty(n), x, group=inter),
     }
     factors = wire_factors(g, d)
-    rule = {"all_gather (world)": factors["fwd_allgather"], "reduce_scatter (world)": factors["grad_reduce_scatter"],
+    rule = {"all_gather (world)": factors["fwd_allgather"], "reduce_scatter (world)": factors["torch_reduce_scatter"],
+            "reduce_scatter (world, hf_zeropp)": factors["grad_reduce_scatter"],
             "all_reduce (world)": factors["grad_allreduce"], "all_to_all (world)": 1.0,
             "all_to_all (one rank per node)": 1.0}
     result = {}
@@ -106,21 +111,23 @@ def _build(name: str, options: dict | None, args):
             "metered": options is not None, "times": [], "windows": [], "stats": None}
 
 
-def _fsdp_logical_per_step(model, world: int, node_size: int, param_bytes: int, reduce_bytes: int) -> dict:
+def _fsdp_logical_per_step(model, world: int, node_size: int, param_bytes: int, reduce_bytes: int,
+                           reduce_kind: str) -> dict:
     """Logical inter-node bytes this rank sends per step under the meter's rule, derived from FSDP2's own unit
     layout (for the stock peer, which has no meter): per unit, the forward all-gather of its padded shards, the
     backward all-gather again unless the unit keeps its weights after forward (FSDP2's root does by default),
-    and the reduce-scatter whose chunk is the padded shard."""
+    and the reduce-scatter whose chunk is the padded shard, as ``reduce_kind`` (torch's or hf_zeropp's: their
+    wire factors on gloo differ)."""
     inter_peers = world - node_size
     out = {kind: {"intra_node": 0, "inter_node": 0, "calls": 0}
-           for kind in ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter")}
+           for kind in ("fwd_allgather", "bwd_allgather", reduce_kind)}
     intra_peers = node_size - 1
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         for group in fsdp_param_groups(module):
             numel = sum(padded for _, padded in group_parameters(group))
-            kinds = [("fwd_allgather", param_bytes), ("grad_reduce_scatter", reduce_bytes)]
+            kinds = [("fwd_allgather", param_bytes), (reduce_kind, reduce_bytes)]
             if group_reshards_after_forward(group):
                 kinds.append(("bwd_allgather", param_bytes))
             for kind, size in kinds:
@@ -222,7 +229,8 @@ def worker(args) -> None:
     itemsize = 2 if args.precision == "bf16" else 4
     for entry in entries:
         if entry["name"] in ("FSDP2", "ZeRO-3"):  # ZeRO-3's derivation is checked against its meter
-            per_step = _fsdp_logical_per_step(entry["model"], world, node_size, itemsize, itemsize)
+            reduce_kind = "torch_reduce_scatter" if entry["name"] == "FSDP2" else "grad_reduce_scatter"
+            per_step = _fsdp_logical_per_step(entry["model"], world, node_size, itemsize, itemsize, reduce_kind)
             steps = sum(w["steps"] for w in entry["windows"])
             entry["derived_stats"] = {k: {kk: vv * steps for kk, vv in v.items()} for k, v in per_step.items()}
     mine = {e["name"]: {"times": e["times"], "windows": e["windows"], "stats": e["stats"],
