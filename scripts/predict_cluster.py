@@ -14,13 +14,14 @@ the unshaped link among them). For every configuration the model takes, from tha
 
 and predicts the step time at link rate ``B`` (bytes/s) as
 
-    T(B) = T0 + blocking / B + max(0, overlappable / B - T0)
+    T(B) = T0 + blocking / B + max(0, forward / B - T0 / 3) + max(0, backward / B - 2 T0 / 3)
 
 ``blocking`` is the wire bytes of collectives the host waits for before computing on (every collective of stock
 FSDP2 on gloo, whose gathers are synchronous on CPU; hf_zeropp's gradient reduction, which FSDP calls
-synchronously), ``overlappable`` those issued ahead of the compute that needs them (hf_zeropp's prefetched
-gathers on CPU, which can hide behind at most one unshaped step of compute). The prediction error against every
-shaped link's measured median is printed per configuration.
+synchronously); ``forward`` and ``backward`` those of hf_zeropp's prefetched gathers, issued one unit ahead, which
+can hide only behind the compute of their own pass: a third of the step for forward, two thirds for backward (a
+backward pass costs two forwards). The prediction error against every shaped link's measured median is printed
+per configuration.
 
 Then the same model, with NCCL's streams (everything overlappable: ``T = max(compute, communication)``; the sum
 is printed as the no-overlap bound), for the ZeRO++ paper's cluster: GPT-style models of 18B and 138B parameters,
@@ -45,10 +46,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmarks package
 
-from benchmarks.analysis import _link_bytes_per_s  # noqa: E402
+from benchmarks.analysis import link_bytes_per_s  # noqa: E402
 from benchmarks.wire import wire_factors  # noqa: E402
 
-GATHERS = ("fwd_allgather", "bwd_allgather", "frozen_allgather")
+FORWARD_GATHERS = ("fwd_allgather", "frozen_allgather")
+BACKWARD_GATHERS = ("bwd_allgather",)
 PAPER_MODELS = {"18B": 18e9, "138B": 138e9}
 PAPER_TOKENS = (1024, 2048)
 PAPER_LINKS_GBIT = (100, 400)
@@ -65,16 +67,17 @@ def wire_by_kind(row: dict, world: int, node_size: int) -> dict[str, float]:
             for kind, logical in row.get("logical_inter_by_kind_per_step", {}).items()}
 
 
-def split_blocking(name: str, by_kind: dict[str, float]) -> tuple[float, float]:
-    """(blocking, overlappable) wire bytes per node per step on CPU/gloo."""
+def split_blocking(name: str, by_kind: dict[str, float]) -> tuple[float, float, float]:
+    """(blocking, forward-overlappable, backward-overlappable) wire bytes per node per step on CPU/gloo."""
     if name == "FSDP2":  # stock: synchronous gathers and reduce-scatter on CPU
-        return sum(by_kind.values()), 0.0
-    overlappable = sum(v for k, v in by_kind.items() if k in GATHERS)
-    return sum(by_kind.values()) - overlappable, overlappable
+        return sum(by_kind.values()), 0.0, 0.0
+    forward = sum(v for k, v in by_kind.items() if k in FORWARD_GATHERS)
+    backward = sum(v for k, v in by_kind.items() if k in BACKWARD_GATHERS)
+    return sum(by_kind.values()) - forward - backward, forward, backward
 
 
-def predict_step(t0: float, blocking: float, overlappable: float, rate: float) -> float:
-    return t0 + blocking / rate + max(0.0, overlappable / rate - t0)
+def predict_step(t0: float, blocking: float, forward: float, backward: float, rate: float) -> float:
+    return t0 + blocking / rate + max(0.0, forward / rate - t0 / 3) + max(0.0, backward / rate - 2 * t0 / 3)
 
 
 def validate(results: dict) -> list[dict]:
@@ -87,16 +90,17 @@ def validate(results: dict) -> list[dict]:
     node_size = settings["nproc_per_node"]
     out = []
     for link, data in links.items():
-        rate = _link_bytes_per_s(link)
+        rate = link_bytes_per_s(link)
         if rate is None:
             continue
         for name, row in data["rows"].items():
             reference = links["none"]["rows"].get(name)
             if reference is None or "logical_inter_by_kind_per_step" not in reference:
                 continue
-            blocking, overlappable = split_blocking(name, wire_by_kind(reference, world, node_size))
-            predicted = predict_step(reference["median_step_s"], blocking, overlappable, rate)
-            out.append({"topology": f"{world // node_size}x{node_size}", "link": link, "config": name,
+            predicted = predict_step(reference["median_step_s"],
+                                     *split_blocking(name, wire_by_kind(reference, world, node_size)), rate)
+            out.append({"topology": f"{world // node_size}x{node_size} {settings['precision']}", "link": link,
+                        "config": name,
                         "measured_s": row["median_step_s"], "predicted_s": predicted,
                         "error": predicted / row["median_step_s"] - 1})
     return out
@@ -163,8 +167,8 @@ def speedup_curves(results: dict, rates: list[float]) -> dict[str, list[float]]:
     rows = results["links"]["none"]["rows"]
     steps = {}
     for name in ("FSDP2", "ZeRO-3", "ZeRO++"):
-        blocking, overlappable = split_blocking(name, wire_by_kind(rows[name], world, node_size))
-        steps[name] = [predict_step(rows[name]["median_step_s"], blocking, overlappable, r) for r in rates]
+        split = split_blocking(name, wire_by_kind(rows[name], world, node_size))
+        steps[name] = [predict_step(rows[name]["median_step_s"], *split, r) for r in rates]
     return {"vs FSDP2": [f / z for f, z in zip(steps["FSDP2"], steps["ZeRO++"])],
             "vs ZeRO-3": [f / z for f, z in zip(steps["ZeRO-3"], steps["ZeRO++"])],
             "steps": steps}
@@ -178,13 +182,13 @@ def matching_slowdown(results: dict) -> float:
     rows = results["links"]["none"]["rows"]
     zero3_at_100 = predict_step(rows["ZeRO-3"]["median_step_s"],
                                 *split_blocking("ZeRO-3", wire_by_kind(rows["ZeRO-3"], world, node_size)), 12.5e6)
-    blocking, overlappable = split_blocking("ZeRO++", wire_by_kind(rows["ZeRO++"], world, node_size))
+    split = split_blocking("ZeRO++", wire_by_kind(rows["ZeRO++"], world, node_size))
     low, high = 1.0, 1e4  # slowdown factor; ZeRO++'s step grows as the link slows
-    if predict_step(rows["ZeRO++"]["median_step_s"], blocking, overlappable, 12.5e6) > zero3_at_100:
+    if predict_step(rows["ZeRO++"]["median_step_s"], *split, 12.5e6) > zero3_at_100:
         return 1.0
     for _ in range(60):
         mid = math.sqrt(low * high)
-        if predict_step(rows["ZeRO++"]["median_step_s"], blocking, overlappable, 12.5e6 / mid) > zero3_at_100:
+        if predict_step(rows["ZeRO++"]["median_step_s"], *split, 12.5e6 / mid) > zero3_at_100:
             high = mid
         else:
             low = mid
@@ -203,9 +207,9 @@ def plot(runs: dict[str, dict], path: Path) -> None:
         curves = speedup_curves(results, rates)
         for ax, key, base in zip(axes, ("vs FSDP2", "vs ZeRO-3"), ("FSDP2", "ZeRO-3")):
             ax.plot([r * 8 / 1e6 for r in rates], curves[key], color=color, label=f"{topology} model")
-            points = [(_link_bytes_per_s(link) * 8 / 1e6, data["rows"][base]["median_step_s"]
+            points = [(link_bytes_per_s(link) * 8 / 1e6, data["rows"][base]["median_step_s"]
                        / data["rows"]["ZeRO++"]["median_step_s"])
-                      for link, data in results["links"].items() if _link_bytes_per_s(link)
+                      for link, data in results["links"].items() if link_bytes_per_s(link)
                       and base in data["rows"] and "ZeRO++" in data["rows"]]
             ax.scatter(*zip(*points), color=color, marker="o", label=f"{topology} measured")
     for ax, title in zip(axes, ("ZeRO++ speedup per step over stock FSDP2", "ZeRO++ speedup per step over ZeRO-3")):
@@ -255,10 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     for folder in args.runs:
         results = json.loads((folder / "results.json").read_text())
         settings = results["settings"]
-        runs[f"{settings['nodes']}x{settings['nproc_per_node']}"] = results
+        runs[f"{settings['nodes']}x{settings['nproc_per_node']} {settings['precision']}"] = results
     validation = [v for results in runs.values() for v in validate(results)]
     slowdowns = {topology: matching_slowdown(results) for topology, results in runs.items()}
-    fractions = measured_fractions(next(iter(runs.values())))
+    # the paper's M is 16-bit weights and gradients: ZeRO++'s fractions of it come from a bf16 run
+    half = [results for results in runs.values() if results["settings"]["precision"] == "bf16"]
+    if not half:
+        raise SystemExit("give at least one bf16 run: the paper's byte fractions are of 16-bit weights")
+    fractions = measured_fractions(half[0])
     paper = paper_table(fractions, args.gpu_tflops, args.latency_ms / 1e3)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "predictions.json").write_text(json.dumps(

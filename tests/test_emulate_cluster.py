@@ -99,7 +99,7 @@ def _bench_results(tmp_path: Path) -> Path:
                                                                              "qgz_1d_full_precision": 0.1e6}},
     }
     measured = {"FSDP2": 1.22, "ZeRO-3": 1.00, "ZeRO++": 0.6}
-    results = {"settings": {"nodes": 2, "nproc_per_node": 2},
+    results = {"settings": {"nodes": 2, "nproc_per_node": 2, "precision": "bf16"},
                "links": {"none": {"rows": rows_none},
                          "100mbit": {"rows": {n: {"median_step_s": t} for n, t in measured.items()}}}}
     folder = tmp_path / "bench_2x2"
@@ -133,7 +133,7 @@ def test_cost_model_against_hand_computed_steps(tmp_path):
                                 str(tmp_path / "predict")], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert (tmp_path / "predict" / "speedup_vs_link.png").stat().st_size > 0
-    assert "| 2x2 | 100mbit | FSDP2 | 1.220 | 1.220 | +0.0 % |" in completed.stdout
+    assert "| 2x2 bf16 | 100mbit | FSDP2 | 1.220 | 1.220 | +0.0 % |" in completed.stdout
 
 
 def test_profiler_breakdown_attributes_kernels_to_the_enclosing_call():

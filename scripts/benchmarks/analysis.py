@@ -70,7 +70,7 @@ def analyse(link_results: dict[str, dict], args) -> dict:
                                     for k in r[name]["derived_stats"])
                 row["derived_vs_meter"] = derived_total / (row["logical_inter_bytes_per_step"] * n_steps) - 1
             rows[name] = row
-        rate = _link_bytes_per_s(link)
+        rate = link_bytes_per_s(link)
         for row in rows.values():
             raw = row.get("measured_wire_raw_per_node_per_step")
             if rate and raw:  # the busiest node's link, frames and all, at the shaped rate
@@ -91,7 +91,7 @@ def analyse(link_results: dict[str, dict], args) -> dict:
     return summary
 
 
-def _link_bytes_per_s(link: str) -> float | None:
+def link_bytes_per_s(link: str) -> float | None:
     """``100mbit`` -> 12.5e6 bytes/s; None for an unshaped link."""
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
     for unit, scale in units.items():
