@@ -86,7 +86,8 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     ``frozen=True`` is for a model that is only evaluated — an RLHF reference or reward model: every parameter is
     frozen (``requires_grad_(False)``; train/eval mode is left to the caller) before sharding, so the model holds
     no gradients or optimizer state, and with ``quantized_nontrainable_weights`` its matrices are stored INT8
-    (their gathers inside the node with hpZ).
+    (their gathers inside the node with hpZ). Its root unit reshards after every forward like the others (a
+    trained model's root stays gathered until backward, as stock FSDP2's does; a frozen one has no backward).
     """
     config = ZeroPPConfig.coerce(config)
     if not runs_schedule:
@@ -138,8 +139,10 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
             for unit in units:
                 fully_shard(unit, mesh=topology.world_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
             # the root keeps its weights gathered from forward to backward, as stock FSDP2's root does: backward
-            # starts with it, so resharding would only gather the same weights again (the tied embedding, mostly)
-            fully_shard(model, mesh=topology.world_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+            # starts with it, so resharding would only gather the same weights again (the tied embedding, mostly).
+            # A frozen model has no backward: it would hold its root gathered from one forward to the next
+            root_reshard = reshard if frozen else False
+            fully_shard(model, mesh=topology.world_mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy)
         if device.type == "cpu":
             _prefetch_gathers(model, units)
     # named as the original class from here on (transformers judges by the class's module whether a model is its own
