@@ -202,7 +202,7 @@ def plot(runs: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharex=True)
-    rates = [10 ** (6 + i / 20) / 8 * 10 for i in range(0, 61)]  # 10 Mbit/s .. 10 Gbit/s
+    rates = [10e6 / 8 * 10 ** (i / 20) for i in range(61)]  # bytes/s: 10 Mbit/s .. 10 Gbit/s
     for (topology, results), color in zip(runs.items(), ("C0", "C1", "C2", "C3")):
         curves = speedup_curves(results, rates)
         for ax, key, base in zip(axes, ("vs FSDP2", "vs ZeRO-3"), ("FSDP2", "ZeRO-3")):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 
+from .orchestrate import emulator
 from .wire import KINDS, expected_node_wire
 
 
@@ -92,12 +93,9 @@ def analyse(link_results: dict[str, dict], args) -> dict:
 
 
 def link_bytes_per_s(link: str) -> float | None:
-    """``100mbit`` -> 12.5e6 bytes/s; None for an unshaped link."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if link.endswith(unit):
-            return float(link[: -len(unit)]) * scale / 8
-    return None
+    """``100mbit`` -> 12.5e6 bytes/s (the emulator's own parsing); None for an unshaped link."""
+    bits = emulator().parse_rate(link)
+    return bits / 8 if bits is not None else None
 
 
 def targets(links: dict) -> list[dict]:
