@@ -70,10 +70,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True},
-    # ZeRO++ with the qgZ option that measured best on the mini Table 5 study (README, "Beyond ZeRO++"): a
-    # 64-element Hadamard rotation of the gradient blocks. Same bytes as zeropp.
+    # ZeRO++ with the qgZ options whose gradients measured closest to the exact ones at zeropp's cross-node bytes
+    # (scripts/fidelity.py; README, "Beyond ZeRO++"): a 64-element Hadamard rotation of the gradient blocks and an
+    # 8-bit intra-node hop. Same cross-node bytes as zeropp; qgZ's intra-node hop sends twice as many.
     "zeropp-accurate": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node",
-                        "quantized_gradients": True, "gradient_hadamard": 64},
+                        "quantized_gradients": True, "gradient_hadamard": 64, "gradient_intra_bits": 8},
     "zeropp-lora": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True,
                     "quantized_nontrainable_weights": True},
     "zeropp-qwz": {"stage": 3, "quantized_weights": True},
@@ -143,6 +144,11 @@ class ZeroPPConfig:
     gradient_error_feedback: bool = _option(
         False, QGZ, "qgZ: error feedback on the inter-node requantization (8-bit residual, `numel / node_size` "
                     "bytes per rank)")
+    gradient_error_feedback_decay: float = _option(
+        0.0, QGZ, "LoCo-style error feedback: the residual is a moving average, decay x the previous residual + "
+                  "(1 - decay) x this step's dropped error (0 = plain error feedback; in [0, 1))")
+    gradient_error_feedback_reset: int = _option(
+        0, QGZ, "error feedback: drop every residual after this many reductions of its unit (0 = never)")
     gradient_full_precision_1d: bool = _option(
         True, QGZ, "qgZ: 1-D parameters (biases, norm gains) reduce-scattered in the reduce dtype, as DeepSpeed's "
                    "qgZ does; False quantizes them with the matrices")
@@ -181,6 +187,7 @@ class ZeroPPConfig:
                     f"e.g. {max(BLOCK_ALIGNMENT, -(-value // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT)}"
                 )
         self._check_gradient_hadamard()
+        self._check_error_feedback()
         if self.qgz_pipeline_stages < 1:
             raise ValueError(f"qgz_pipeline_stages={self.qgz_pipeline_stages} must be >= 1")
         if self.node_size is not None and self.node_size < 1:
@@ -204,6 +211,19 @@ class ZeroPPConfig:
             raise ValueError(f"{name}={block} is not a multiple of gradient_hadamard={size}: a rotation group may "
                              f"not straddle two quantization blocks; use {name}={-(-block // size) * size}")
 
+    def _check_error_feedback(self) -> None:
+        if not 0.0 <= self.gradient_error_feedback_decay < 1.0:
+            raise ValueError(f"gradient_error_feedback_decay={self.gradient_error_feedback_decay} must be in [0, 1) "
+                             f"(0 = plain error feedback; LoCo-style averaging uses e.g. 0.5)")
+        if self.gradient_error_feedback_reset < 0:
+            raise ValueError(f"gradient_error_feedback_reset={self.gradient_error_feedback_reset} must be >= 0 "
+                             f"(0 = never reset)")
+        tuning = {name: getattr(self, name) for name in ("gradient_error_feedback_decay",
+                                                         "gradient_error_feedback_reset") if getattr(self, name)}
+        if tuning and not self.gradient_error_feedback:
+            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in tuning.items())} tune error feedback, which is off; "
+                             f"set gradient_error_feedback: true (or remove them)")
+
     def _check_fields(self) -> None:
         """Every field's value against the type of its annotation (an integer where a float is expected becomes a
         float)."""
@@ -212,7 +232,7 @@ class ZeroPPConfig:
             if f.name == "extra":
                 continue
             value = getattr(self, f.name)
-            if hints[f.name] == float | None and isinstance(value, int) and not isinstance(value, bool):
+            if hints[f.name] in (float, float | None) and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
                 setattr(self, f.name, value)
             if not _matches(value, hints[f.name]):
@@ -309,7 +329,7 @@ class ZeroPPConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ZeroPPConfig:
         """A named configuration: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zeropp`` (qwZ+hpZ+qgZ),
-        ``zeropp-accurate`` (zeropp with Hadamard-rotated qgZ blocks), ``zeropp-lora``, ``zeropp-qwz``,
+        ``zeropp-accurate`` (zeropp with Hadamard-rotated qgZ blocks and an 8-bit intra-node hop), ``zeropp-lora``, ``zeropp-qwz``,
         ``zeropp-hpz``, ``zeropp-qgz``."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")

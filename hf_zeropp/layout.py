@@ -29,17 +29,27 @@ class VectorSlices:
         self.trainable_only = trainable_only
 
     def positions(self, rank_numel: int, group_size: int, device: torch.device) -> torch.Tensor | None:
-        group = fsdp_param_group(self.module)
-        if group is None:
+        spans = parameter_spans(self.module, self.trainable_only, rank_numel, group_size)
+        if spans is None:
             return None
-        params = [(p, n) for p, n in group_parameters(group) if p.requires_grad or not self.trainable_only]
-        world = group_shard_world_size(group)
-        offset, spans = 0, []
-        for param, padded_numel in params:
-            length = padded_numel * world // group_size
-            if param.dim() == 1:
-                spans.append(torch.arange(offset, offset + length, device=device))
-            offset += length
-        if offset != rank_numel:
-            return None
-        return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long, device=device)
+        vectors = [torch.arange(start, start + length, device=device)
+                   for param, start, length in spans if param.dim() == 1]
+        return torch.cat(vectors) if vectors else torch.empty(0, dtype=torch.long, device=device)
+
+
+def parameter_spans(module: nn.Module, trainable_only: bool, rank_numel: int,
+                    group_size: int) -> list[tuple[nn.Parameter, int, int]] | None:
+    """(sharded parameter, start, length) of each of the FSDP unit ``module``'s parameters in one rank's
+    ``rank_numel``-element part of a collective over ``group_size`` ranks; None when the unit has no parameters or
+    the part's length disagrees with the layout. ``trainable_only``: as in :class:`VectorSlices`."""
+    group = fsdp_param_group(module)
+    if group is None:
+        return None
+    params = [(p, n) for p, n in group_parameters(group) if p.requires_grad or not trainable_only]
+    world = group_shard_world_size(group)
+    offset, spans = 0, []
+    for param, padded_numel in params:
+        length = padded_numel * world // group_size
+        spans.append((param, offset, length))
+        offset += length
+    return spans if offset == rank_numel else None

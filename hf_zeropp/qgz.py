@@ -63,49 +63,74 @@ class BlockQuantizedPayload:
 
 
 class ErrorFeedback:
-    """Error feedback (EF-SGD / LoCo style) for qgZ's inter-node requantization.
+    """Error feedback for qgZ's inter-node requantization: plain (EF-SGD) or LoCo-style.
 
     What the ``gradient_bits`` requantization of this rank's node partial sums drops in one step is added to the
     same partial sums before they are requantized in the next, so rounding errors cancel over steps instead of
-    accumulating in the weights. Only this hop: its partial sums are already 1/node_size of the unit's gradient on
-    each rank, whereas compensating hop 1 would need a residual as large as the whole unsharded gradient. The
-    residual is kept block-quantized to 8 bits, one per pipeline stage: ``numel / node_size`` bytes (plus one fp32
-    scale per block) per rank for a unit of ``numel`` parameters, for as long as qgZ is on.
+    accumulating in the weights. With ``decay`` > 0 the residual carried forward is a moving average of the dropped
+    errors (``decay`` x the previous residual + (1 - decay) x this step's), which damps the step-to-step noise the
+    compensation adds (the first residual after a reset is the dropped error itself); ``reset_every`` drops it every so many reductions, so that a residual never outlives the
+    gradients it came from by much (LoCo: averaged, compressed, reset). Only this hop: its partial sums are already
+    1/node_size of the unit's gradient on each rank, whereas compensating hop 1 would need a residual as large as the
+    whole unsharded gradient. The residual is kept block-quantized to 8 bits, one per pipeline stage:
+    ``numel / node_size`` bytes (plus one fp32 scale per block) per rank for a unit of ``numel`` parameters, for as
+    long as qgZ is on.
     """
 
-    def __init__(self, block_size: int, stochastic: bool, backend: kernels.Backend | None = None) -> None:
+    def __init__(self, block_size: int, stochastic: bool, backend: kernels.Backend | None = None,
+                 decay: float = 0.0, reset_every: int = 0) -> None:
         self.block_size = block_size
         self.stochastic = stochastic
         self.backend = backend
+        self.decay = decay
+        self.reset_every = reset_every
         self.residuals: dict[int, kernels.Quantized] = {}
+        self.reductions = 0  # of stage 0, i.e. of the unit's gradient (for reset_every)
 
     def reduce_requantize(self, stage: int, payload: torch.Tensor, scales: torch.Tensor, in_bits: int,
                           out_bits: int, length: int, seed: int) -> kernels.Quantized:
         """BlockQuantizedPayload.reduce_requantize with the stage's residual added to the fp32 partial sums before
         requantizing (in the payload's domain: rotated rows stay rotated), and the new residual kept."""
         backend = self.backend
+        if stage == 0:
+            if self.reset_every and self.reductions and self.reductions % self.reset_every == 0:
+                self.residuals.clear()
+            self.reductions += 1
         partial_sums = kernels.dequant_reduce(payload, scales, bits=in_bits, block_size=self.block_size,
                                               length=length, backend=backend)
         residual = self.residuals.get(stage)
+        previous = None
         if residual is not None and residual.codes.shape == partial_sums.shape:
-            partial_sums += kernels.dequantize(*residual, bits=8, block_size=self.block_size, length=length,
-                                               backend=backend)
+            previous = kernels.dequantize(*residual, bits=8, block_size=self.block_size, length=length,
+                                          backend=backend)
+            partial_sums += previous
         sent = kernels.quantize(partial_sums, out_bits, self.block_size, stochastic=self.stochastic, seed=seed,
                                 backend=backend)
         dropped = partial_sums - kernels.dequantize(*sent, bits=out_bits, block_size=self.block_size, length=length,
                                                     backend=backend)
+        if self.decay and previous is not None:
+            dropped = previous.mul_(self.decay).add_(dropped, alpha=1.0 - self.decay)
         self.residuals[stage] = kernels.quantize(dropped, 8, self.block_size, backend=backend)
         return sent
 
     def reset(self) -> None:
         self.residuals.clear()
 
-    def state_dict(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The residual of every pipeline stage as (codes, scales); rank-local, like the partial sums."""
-        return {stage: tuple(residual) for stage, residual in self.residuals.items()}
+    def describe(self) -> str:
+        return (", inter-node error feedback (8-bit residual"
+                + (f", averaged with decay {self.decay}" if self.decay else "")
+                + (f", reset every {self.reset_every} reductions" if self.reset_every else "") + ")")
 
-    def load_state_dict(self, state: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.residuals = {int(stage): kernels.Quantized(*residual) for stage, residual in state.items()}
+    def state_dict(self) -> dict[Any, Any]:
+        """The residual of every pipeline stage as (codes, scales), rank-local like the partial sums, and the
+        reduction count the resets follow."""
+        return {"residuals": {stage: tuple(residual) for stage, residual in self.residuals.items()},
+                "reductions": self.reductions}
+
+    def load_state_dict(self, state: dict[Any, Any]) -> None:
+        residuals = state.get("residuals", state)  # checkpoints before LoCo held the residuals alone
+        self.residuals = {int(stage): kernels.Quantized(*residual) for stage, residual in residuals.items()}
+        self.reductions = int(state.get("reductions", 0))
 
 
 class FullPrecisionPayload:
@@ -138,7 +163,8 @@ PROFILER_RANGE = "hf_zeropp.qgz.reduce_scatter"  # what torch.profiler shows for
 class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
     def __init__(self, meter: CommMeter, topology: Topology, intra_bits: int, inter_bits: int, block_size: int,
                  stages: int, stochastic: bool, seed: int, enabled: bool = True, hadamard: int = 0,
-                 error_feedback: bool = False, vector_slices: VectorSlices | None = None,
+                 error_feedback: bool = False, error_feedback_decay: float = 0.0, error_feedback_reset: int = 0,
+                 vector_slices: VectorSlices | None = None,
                  payload: BlockQuantizedPayload | FullPrecisionPayload | None = None,
                  backend: kernels.Backend | None = None) -> None:
         self.meter = meter
@@ -153,7 +179,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.hadamard = hadamard
         self.backend = backend
         self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard, backend)
-        self.feedback = ErrorFeedback(block_size, stochastic, backend) if error_feedback else None
+        self.feedback = (ErrorFeedback(block_size, stochastic, backend, error_feedback_decay, error_feedback_reset)
+                         if error_feedback else None)
         self.vector_slices = vector_slices
         self.calls = 0  # stochastic-rounding seeds derive from it (see _seed)
         self._plain = MeteredReduceScatter(meter)
@@ -309,7 +336,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
                      if isinstance(self.payload, BlockQuantizedPayload) else "fp32 (quantization bypassed)")
         return (f"qgZ {hops} all-to-all {precision}, {self.stages} stage(s), {topo.nodes}x{topo.node_size}"
                 + (f", Hadamard {self.hadamard}" if self.hadamard else "")
-                + (", inter-node error feedback (8-bit residual)" if self.feedback is not None else "")
+                + (self.feedback.describe() if self.feedback is not None else "")
                 + (", 1-D parameters in full precision" if self.vector_slices is not None else "")
                 + (", stochastic rounding" if self.stochastic else "")
                 + (f", kernels {kernels.active_backend(device, self.backend)}"
@@ -336,6 +363,8 @@ def make_reduce_scatter(config: ZeroPPConfig, topology: Topology, meter: CommMet
         enabled=config.quantized_gradients,
         hadamard=config.gradient_hadamard,
         error_feedback=config.gradient_error_feedback,
+        error_feedback_decay=config.gradient_error_feedback_decay,
+        error_feedback_reset=config.gradient_error_feedback_reset,
         vector_slices=VectorSlices(module, trainable_only=True) if config.gradient_full_precision_1d else None,
         backend=config.kernel_backend,
     )

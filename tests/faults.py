@@ -41,7 +41,10 @@ def inject_non_finite_gradient(model, value: float):
 
 RESUME_CONFIGS = {"stage3": {"stage": 3}, "zeropp": ZEROPP,
                   "zeropp_sr": {**ZEROPP, "stochastic_rounding": True, "seed": 7},
-                  "zeropp_ef": {**ZEROPP, "gradient_error_feedback": True, "gradient_hadamard": 64}}
+                  # LoCo-style: the residual averaged, and reset every 7 reductions (at 7 and 14: one before the
+                  # checkpoint at 10 and one after it, so a resume that lost the count would reset at 17)
+                  "zeropp_ef": {**ZEROPP, "gradient_error_feedback": True, "gradient_hadamard": 64,
+                                "gradient_error_feedback_decay": 0.5, "gradient_error_feedback_reset": 7}}
 STEPS, SAVE_AT, FAULT_AT = 20, 10, 15
 
 

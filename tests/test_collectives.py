@@ -230,6 +230,11 @@ def test_plain_reduce_scatter_sums_exactly_on_gloo(nodes, node_size):
         assert all(result.values()), result
 
 
+FEEDBACK_VARIANTS = {"off": {}, "plain": {"error_feedback": True},
+                     "loco": {"error_feedback": True, "error_feedback_decay": 0.5},
+                     "reset every reduction": {"error_feedback": True, "error_feedback_reset": 1}}
+
+
 def _error_feedback_worker(steps: int):
     from hf_zeropp.comm_meter import reduce_scatter_single
     from hf_zeropp.qgz import QuantizedReduceScatter
@@ -240,27 +245,32 @@ def _error_feedback_worker(steps: int):
     exact = torch.empty(SHARD)
     reduce_scatter_single(exact, gradient.clone(), group=None, op=dist.ReduceOp.SUM)
     errors = {}
-    for feedback in (False, True):
-        comm = QuantizedReduceScatter(meter, topology, 8, 4, BLOCK, 1, False, 0, error_feedback=feedback)
+    for name, options in FEEDBACK_VARIANTS.items():
+        comm = QuantizedReduceScatter(meter, topology, 8, 4, BLOCK, 1, False, 0, **options)
         total = torch.zeros(SHARD)
         for _ in range(steps):
             got = torch.empty(SHARD)
             comm(got, gradient.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
             total += got
-        errors[feedback] = (float((got - exact).norm()), float((total / steps - exact).norm()))
-        residual_bytes = sum(codes.numel() for codes, _ in comm.feedback.state_dict().values()) if feedback else 0
-        errors[f"residual_bytes_{feedback}"] = residual_bytes
+        errors[name] = (float((got - exact).norm()), float((total / steps - exact).norm()))
+        if comm.feedback is not None:
+            state = comm.feedback.state_dict()
+            errors[f"residual_bytes_{name}"] = sum(codes.numel() for codes, _ in state["residuals"].values())
+            errors[f"reductions_{name}"] = state["reductions"]
     return errors
 
 
 def test_error_feedback_cancels_the_inter_node_rounding_over_steps():
     """The same gradient every step, rounded to nearest: without feedback every step repeats the same error, so the
     mean over steps is as wrong as one step; with feedback the 4-bit hop's error cancels and only the 8-bit first
-    hop's remains. The residual is 1/node_size of the gradient at 8 bits."""
+    hop's remains; LoCo's averaged residual cancels it too, more slowly; a residual reset before every reduction is
+    no feedback at all. The residual is 1/node_size of the gradient at 8 bits."""
     steps = 8
     for rank, errors in enumerate(run_distributed(_error_feedback_worker, 4, steps, node_size=2)):
-        plain_step, plain_mean = errors[False]
-        feedback_step, feedback_mean = errors[True]
+        plain_step, plain_mean = errors["off"]
         assert plain_mean == pytest.approx(plain_step, rel=1e-6)
-        assert feedback_mean < 0.3 * plain_mean, (rank, errors)
-        assert errors["residual_bytes_True"] == 4 * SHARD // 2  # (nodes x slice) int8 = world * shard / node_size
+        assert errors["plain"][1] < 0.3 * plain_mean, (rank, errors)
+        assert errors["loco"][1] < 0.6 * plain_mean, (rank, errors)
+        assert errors["reset every reduction"] == errors["off"]
+        assert errors["reductions_loco"] == steps
+        assert errors["residual_bytes_plain"] == 4 * SHARD // 2  # (nodes x slice) int8 = world * shard / node_size

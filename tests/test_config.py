@@ -28,7 +28,8 @@ def test_every_preset_has_its_config_file_in_recipes():
     for path in sorted(folder.glob("*.yaml")):
         assert ZeroPPConfig.from_file(path) == ZeroPPConfig.preset(path.stem), path.name
     accurate = ZeroPPConfig.preset("zeropp-accurate")
-    assert (accurate.gradient_hadamard, accurate.gradient_bits, accurate.quantized_gradients) == (64, 4, True)
+    assert (accurate.gradient_hadamard, accurate.gradient_intra_bits, accurate.gradient_bits,
+            accurate.quantized_gradients) == (64, 8, 4, True)
 
 
 def test_rlhf_recipes_hold_valid_configs_and_the_full_size_one_gathers_once_per_generate_call():
@@ -117,6 +118,12 @@ BAD_CONFIGS = [
     (dict(node_size=0), ValueError, "node_size=0 must be >= 1"),
     (dict(quantized_weights="yes"), TypeError, "quantized_weights='yes' has type str; expected bool"),
     (dict(blocksize=64), ValueError, "unknown hf_zeropp option(s) ['blocksize']"),
+    (dict(gradient_error_feedback=True, gradient_error_feedback_decay=1), ValueError,
+     "gradient_error_feedback_decay=1.0 must be in [0, 1)"),
+    (dict(gradient_error_feedback=True, gradient_error_feedback_reset=-1), ValueError,
+     "gradient_error_feedback_reset=-1 must be >= 0 (0 = never reset)"),
+    (dict(gradient_error_feedback_decay=0.5), ValueError,
+     "gradient_error_feedback_decay=0.5 tune error feedback, which is off; set gradient_error_feedback: true"),
 ]
 
 

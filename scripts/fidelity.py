@@ -1,0 +1,394 @@
+"""Gradient and weight fidelity of the qgZ and qwZ options along a real training trajectory (issue P).
+
+    python scripts/fidelity.py [--topologies 2x2,2x4] [--steps 100,300,550] [--window 8] [--out out/fidelity]
+
+A ZeRO-3 fp32 baseline (by default the mini Table 5 recipe, ``recipes/gpt350m_pile/mini/zero3.yaml``, through
+ZeroPPTrainer, with the recipe's global batch at every topology) trains on emulated nodes: one gloo process per
+rank, ``LOCAL_WORLD_SIZE`` = ranks per node. In each measured window (``--window`` consecutive steps starting at
+each of ``--steps``) every FSDP unit's reduce-scatter input — the ranks' true, unreduced gradients — is also reduced
+by each candidate qgZ configuration, and every forward all-gather is also run by each candidate qwZ; the baseline
+keeps the exact results, so every candidate is measured on the same gradients and weights.
+
+Per parameter class (matrices, embeddings, 1-D) the script reports the relative L2 error ||q - x|| / ||x|| and the
+cosine of each candidate's result q against the exact one x, averaged over the measured steps, and for gradients
+also the relative error of their sum over each window, ||sum(q - x)|| / ||sum(x)||: what a momentum-like optimizer
+state accumulates, where error feedback and stochastic rounding act. Deterministic (seeded); minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hf_zeropp
+from hf_zeropp._compat import AllGather, ReduceScatter
+from hf_zeropp.comm_meter import CommMeter, allgather_kind
+from hf_zeropp.config import PRESETS, ZeroPPConfig
+from hf_zeropp.layout import parameter_spans
+from hf_zeropp.qgz import make_reduce_scatter
+from hf_zeropp.qwz import make_all_gather
+from hf_zeropp.sharding import fsdp_modules, zeropp_state
+from hf_zeropp.testing.spawn import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from train_gpt import build_datasets, load_recipe  # noqa: E402
+
+CLASSES = ("matrices", "embeddings", "1-D", "all")
+
+# name -> ZeroPPConfig overrides of the zeropp preset; the first row is the reference the others are compared to
+GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
+    "ZeRO++ qgZ (int4/int4, block 256)": {},
+    "1-D parameters quantized too": {"gradient_full_precision_1d": False},
+    "Hadamard 32": {"gradient_hadamard": 32},
+    "Hadamard 64": {"gradient_hadamard": 64},
+    "Hadamard 128": {"gradient_hadamard": 128},
+    "stochastic rounding": {"stochastic_rounding": True},
+    "8-bit intra-node hop": {"gradient_intra_bits": 8},
+    "error feedback (inter-node hop)": {"gradient_error_feedback": True},
+    "LoCo error feedback (decay 0.5)": {"gradient_error_feedback": True, "gradient_error_feedback_decay": 0.5},
+    "Hadamard 64 + 8-bit intra": {"gradient_hadamard": 64, "gradient_intra_bits": 8},
+    "Hadamard 64 + 8-bit intra + error feedback": {"gradient_hadamard": 64, "gradient_intra_bits": 8,
+                                                   "gradient_error_feedback": True},
+    "Hadamard 64 + 8-bit intra + LoCo (decay 0.5)": {"gradient_hadamard": 64, "gradient_intra_bits": 8,
+                                                     "gradient_error_feedback": True,
+                                                     "gradient_error_feedback_decay": 0.5},
+    "Hadamard 64 + SR + 8-bit intra": {"gradient_hadamard": 64, "stochastic_rounding": True,
+                                       "gradient_intra_bits": 8},
+}
+WEIGHT_CANDIDATES: dict[str, dict[str, Any]] = {
+    "ZeRO++ qwZ (int8, block 256, 1-D in full precision)": {},
+    "1-D parameters quantized too": {"weight_full_precision_1d": False},
+}
+
+
+def candidate_config(overrides: dict[str, Any]) -> ZeroPPConfig:
+    return ZeroPPConfig(**{**PRESETS["zeropp"], **overrides})
+
+
+class Sums:
+    """Per candidate and parameter class, this rank's sums of (q - x)^2, x^2, q.x and q^2 over its shard parts."""
+
+    def __init__(self, candidates: int) -> None:
+        self.values = torch.zeros(candidates, len(CLASSES), 4, dtype=torch.float64)
+
+    def add(self, candidate: int, cls: int, candidate_result: torch.Tensor, exact: torch.Tensor) -> None:
+        q, x = candidate_result.double(), exact.double()
+        row = torch.stack(((q - x).pow(2).sum(), x.pow(2).sum(), (q * x).sum(), q.pow(2).sum()))
+        self.values[candidate, cls] += row
+        self.values[candidate, -1] += row
+
+    def reduce_and_reset(self) -> torch.Tensor:
+        """(relative L2 error, cosine) per candidate and class over all ranks; zeroes the sums."""
+        totals = self.values.clone()
+        dist.all_reduce(totals)
+        self.values.zero_()
+        err2, ref2, dot, cand2 = totals.unbind(-1)
+        relative = (err2 / ref2.clamp_min(1e-300)).sqrt()
+        cosine = dot / (ref2 * cand2).sqrt().clamp_min(1e-300)
+        return torch.stack((relative, cosine), dim=-1)
+
+
+class ParameterClasses:
+    """Which class each parameter of the model is, and where each class lies in a unit's part of a collective."""
+
+    def __init__(self, model: nn.Module) -> None:
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        self.of = {id(p): (1 if id(p) in embeddings else 2 if p.dim() == 1 else 0) for p in model.parameters()}
+        self._cache: dict[tuple[int, bool, int], list[torch.Tensor]] = {}
+
+    def positions(self, unit: nn.Module, trainable_only: bool, rank_numel: int, group_size: int) -> list[torch.Tensor]:
+        key = (id(unit), trainable_only, rank_numel)
+        if key not in self._cache:
+            spans = parameter_spans(unit, trainable_only, rank_numel, group_size)
+            if spans is None:
+                raise RuntimeError(f"{type(unit).__name__}: the collective's buffer ({rank_numel} elements per rank) "
+                                   f"does not match its FSDP parameters; fidelity cannot classify it")
+            per_class: list[list[torch.Tensor]] = [[] for _ in CLASSES[:-1]]
+            for param, start, length in spans:
+                per_class[self.of[id(param)]].append(torch.arange(start, start + length))
+            self._cache[key] = [torch.cat(p) if p else torch.empty(0, dtype=torch.long) for p in per_class]
+        return self._cache[key]
+
+
+class Probe:
+    """Shared by every unit's wrappers: whether this step is measured, the sums, the candidates' meters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.active = False
+        self.classes = ParameterClasses(model)
+        self.gradient_sums = Sums(len(GRADIENT_CANDIDATES))
+        self.weight_sums = Sums(len(WEIGHT_CANDIDATES))
+        topology = zeropp_state(model).topology
+        self.gradient_meters = [CommMeter(topology) for _ in GRADIENT_CANDIDATES]
+        self.weight_meters = [CommMeter(topology) for _ in WEIGHT_CANDIDATES]
+        # per gradient candidate and unit: running sums of (q - x) and x over the window
+        self.window: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.reduce_scatters: list[GradientProbe] = []
+
+    def classify(self, sums: Sums, candidate: int, positions: list[torch.Tensor], result: torch.Tensor,
+                 exact: torch.Tensor) -> None:
+        for cls, where in enumerate(positions):
+            if where.numel():
+                sums.add(candidate, cls, result[where], exact[where])
+
+    def start_window(self) -> None:
+        self.window.clear()
+        for probe in self.reduce_scatters:
+            for candidate in probe.candidates:
+                if candidate.feedback is not None:
+                    candidate.feedback.reset()  # the previous window's residual belongs to other gradients
+
+    def window_error(self) -> torch.Tensor:
+        """||sum over the window of (q - x)|| / ||sum of x|| per gradient candidate and class, over all ranks."""
+        totals = torch.zeros(len(GRADIENT_CANDIDATES), len(CLASSES), 2, dtype=torch.float64)
+        for (candidate, unit), (difference, exact, positions) in self.window.items():
+            for cls, where in enumerate(positions):
+                if where.numel():
+                    row = torch.stack((difference[where].pow(2).sum(), exact[where].pow(2).sum()))
+                    totals[candidate, cls] += row
+                    totals[candidate, -1] += row
+        dist.all_reduce(totals)
+        return (totals[..., 0] / totals[..., 1].clamp_min(1e-300)).sqrt()
+
+
+class GradientProbe(ReduceScatter):
+    """A unit's exact reduce-scatter, also run by every candidate qgZ on a copy of its input when measuring."""
+
+    def __init__(self, probe: Probe, unit: nn.Module, index: int, exact: Any, topology) -> None:
+        self.probe, self.unit, self.index, self.exact = probe, unit, index, exact
+        self.candidates = [make_reduce_scatter(candidate_config(overrides), topology, meter, unit)
+                           for overrides, meter in zip(GRADIENT_CANDIDATES.values(), probe.gradient_meters)]
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.exact.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if not self.probe.active:
+            return self.exact(output_tensor, input_tensor, group, op, async_op=async_op)
+        results = []
+        for candidate in self.candidates:
+            result = torch.empty_like(output_tensor)
+            candidate(result, input_tensor.clone(), group, op)  # qgZ zeroes the 1-D slices of its input
+            results.append(result)
+        work = self.exact(output_tensor, input_tensor, group, op, async_op=async_op)
+        if work is not None:
+            work.wait()
+        positions = self.probe.classes.positions(self.unit, True, output_tensor.numel(), dist.get_world_size(group))
+        exact = output_tensor.double()
+        for c, result in enumerate(results):
+            self.probe.classify(self.probe.gradient_sums, c, positions, result, output_tensor)
+            running = self.probe.window.setdefault((c, self.index), [torch.zeros_like(exact), torch.zeros_like(exact),
+                                                                      positions])
+            running[0] += result.double() - exact
+            running[1] += exact
+        return work
+
+
+class WeightProbe(AllGather):
+    """A unit's exact all-gather; in a measured step's forward, also run by every candidate qwZ."""
+
+    def __init__(self, probe: Probe, unit: nn.Module, exact: Any, topology) -> None:
+        self.probe, self.unit, self.exact = probe, unit, exact
+        self.candidates = [make_all_gather(candidate_config(overrides), topology, meter, unit)
+                           for overrides, meter in zip(WEIGHT_CANDIDATES.values(), probe.weight_meters)]
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.exact.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        work = self.exact(output_tensor, input_tensor, group, async_op=async_op)
+        if not self.probe.active or allgather_kind() != "fwd_allgather":
+            return work
+        if work is not None:
+            work.wait()  # FSDP waits for it again: a finished work's wait returns at once
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        shard_numel = input_tensor.numel()
+        positions = self.probe.classes.positions(self.unit, False, shard_numel, world)
+        exact_rows = output_tensor.view(world, shard_numel)
+        for c, candidate in enumerate(self.candidates):
+            result = torch.empty_like(output_tensor)
+            rows = result.view(world, shard_numel)
+            rows[rank].copy_(exact_rows[rank])  # FSDP's input is this rank's slot of the output
+            candidate(result, rows[rank], group, async_op=False)
+            for r in range(world):
+                self.probe.classify(self.probe.weight_sums, c, positions, rows[r], exact_rows[r])
+        return work
+
+
+def install(model: nn.Module) -> Probe:
+    state = zeropp_state(model)
+    if state.config.stage != 3 or state.config.quantized_weights or state.config.quantized_gradients:
+        raise SystemExit(f"the fidelity baseline must be plain ZeRO-3 (stage 3, no qwZ/qgZ), got {state.config}")
+    probe = Probe(model)
+    for index, (unit, gather, reduce_scatter) in enumerate(zip(fsdp_modules(model), state.all_gathers,
+                                                              state.reduce_scatters)):
+        gradients = GradientProbe(probe, unit, index, reduce_scatter, state.topology)
+        unit.set_custom_all_gather(WeightProbe(probe, unit, gather, state.topology))
+        unit.set_custom_reduce_scatter(gradients)
+        probe.reduce_scatters.append(gradients)
+    return probe
+
+
+def measured_steps(starts: list[int], window: int) -> dict[int, int]:
+    """step -> the index of its window's first step in ``starts`` (0-based global steps)."""
+    steps: dict[int, int] = {}
+    for w, start in enumerate(starts):
+        for step in range(start, start + window):
+            steps[step] = w
+    return steps
+
+
+def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int, workdir: str) -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+
+    recipe = load_recipe(Path(recipe_path))
+    world = dist.get_world_size()
+    if global_batch % world:
+        raise SystemExit(f"--global-batch {global_batch} does not split over {world} ranks")
+    train, _, vocab = build_datasets(recipe["data"])
+    training = {**recipe["training"], "output_dir": workdir, "per_device_train_batch_size": global_batch // world,
+                "eval_strategy": "no", "save_strategy": "no", "logging_steps": 10_000, "report_to": "none",
+                "dataloader_num_workers": 0}
+    training["zeropp"] = {**training["zeropp"]}  # the launch's node size comes from LOCAL_WORLD_SIZE
+    torch.manual_seed(training["seed"])
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=int(recipe["data"]["seq_len"]),
+                                       bos_token_id=0, eos_token_id=0, **recipe["model"]))
+    steps = measured_steps(starts, window)
+    last = max(steps)
+    per_step: dict[int, dict[str, list]] = {}
+    windows: list[list] = []
+
+    class Measure(TrainerCallback):
+        probe: Probe | None = None
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if self.probe is None:
+                self.probe = install(model)
+            step = state.global_step
+            if step in steps and (step == 0 or steps.get(step - 1) != steps[step]):
+                self.probe.start_window()
+            self.probe.active = step in steps
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step = state.global_step - 1
+            if not self.probe.active:
+                return
+            self.probe.active = False
+            per_step[step] = {"gradients": self.probe.gradient_sums.reduce_and_reset().tolist(),
+                              "weights": self.probe.weight_sums.reduce_and_reset().tolist()}
+            if steps.get(step + 1) != steps[step]:
+                windows.append(self.probe.window_error().tolist())
+            if step >= last:
+                control.should_training_stop = True
+
+    measure = Measure()
+    args = hf_zeropp.ZeroPPTrainingArguments(**training)
+    trainer = hf_zeropp.ZeroPPTrainer(model=model, args=args, train_dataset=train, callbacks=[measure])
+    trainer.train()
+    probe = measure.probe
+    measured = len(per_step)
+    return {
+        "steps": per_step,
+        "windows": windows,
+        "gradient_inter_node_mb": [m.stats()["total"]["inter_node"] / measured / 1e6 for m in probe.gradient_meters],
+        "weight_inter_node_mb": [m.stats()["total"]["inter_node"] / measured / 1e6 for m in probe.weight_meters],
+    }
+
+
+def summarize(result: dict) -> dict:
+    """Means (and min/max) over the measured steps of each metric, per candidate and class."""
+    def table(kind: str, names: list[str]) -> list[dict]:
+        stacked = torch.tensor([step[kind] for step in result["steps"].values()], dtype=torch.float64)
+        rows = []
+        for c, name in enumerate(names):
+            row = {"name": name}
+            for k, cls in enumerate(CLASSES):
+                row[cls] = {"relative_error": stacked[:, c, k, 0].mean().item(),
+                            "relative_error_range": [stacked[:, c, k, 0].min().item(), stacked[:, c, k, 0].max().item()],
+                            "cosine": stacked[:, c, k, 1].mean().item()}
+            rows.append(row)
+        return rows
+
+    gradients = table("gradients", list(GRADIENT_CANDIDATES))
+    windows = torch.tensor(result["windows"], dtype=torch.float64)
+    for c, row in enumerate(gradients):
+        row["window_sum_error"] = windows[:, c, -1].mean().item()
+        row["inter_node_mb_per_step"] = result["gradient_inter_node_mb"][c]
+    weights = table("weights", list(WEIGHT_CANDIDATES))
+    for c, row in enumerate(weights):
+        row["inter_node_mb_per_step"] = result["weight_inter_node_mb"][c]
+    return {"gradients": gradients, "weights": weights, "measured_steps": sorted(int(s) for s in result["steps"])}
+
+
+def _cell(entry: dict) -> str:
+    return f"{entry['relative_error']:.4f} ({entry['cosine']:.5f})"
+
+
+def markdown(topology: str, summary: dict) -> str:
+    steps = summary["measured_steps"]
+    reference = summary["gradients"][0]["all"]["relative_error"]
+    lines = [f"### {topology}: gradients (qgZ result vs the exact reduce-scatter), {len(steps)} steps {steps}", "",
+             "relative L2 error (cosine) per parameter class, mean over the measured steps; window sum = error of "
+             "the gradients summed over each window", "",
+             "| configuration | cross-node MB/step (rank 0) | matrices | embeddings | 1-D | all | "
+             "ZeRO++'s error / this | window sum |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in summary["gradients"]:
+        lines.append(f"| {row['name']} | {row['inter_node_mb_per_step']:.3f} | "
+                     + " | ".join(_cell(row[cls]) for cls in CLASSES)
+                     + f" | {reference / max(row['all']['relative_error'], 1e-30):.2f}x | "
+                       f"{row['window_sum_error']:.4f} |")
+    lines += ["", f"### {topology}: weights (qwZ forward gather vs the exact one)", "",
+              "| configuration | cross-node MB/step (rank 0) | matrices | embeddings | 1-D | all |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for row in summary["weights"]:
+        lines.append(f"| {row['name']} | {row['inter_node_mb_per_step']:.3f} | "
+                     + " | ".join(_cell(row[cls]) for cls in CLASSES) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_topology(text: str) -> tuple[int, int]:
+    nodes, _, per_node = text.partition("x")
+    if not (nodes.isdigit() and per_node.isdigit()) or int(nodes) < 2:
+        raise SystemExit(f"--topologies entry {text!r} must be NODESxRANKS_PER_NODE with at least 2 nodes, e.g. 2x2")
+    return int(nodes), int(per_node)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default=str(ROOT / "recipes/gpt350m_pile/mini/zero3.yaml"))
+    parser.add_argument("--topologies", default="2x2,2x4", help="NODESxRANKS_PER_NODE, comma-separated")
+    parser.add_argument("--steps", default="100,300,550", help="first (0-based) step of each measured window")
+    parser.add_argument("--window", type=int, default=8, help="consecutive steps measured per window")
+    parser.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
+    parser.add_argument("--out", default="out/fidelity")
+    args = parser.parse_args(argv)
+    starts = sorted(int(s) for s in args.steps.split(","))
+    if args.window < 1 or any(b < a + args.window for a, b in zip(starts, starts[1:])):
+        raise SystemExit(f"--steps {args.steps} with --window {args.window}: windows must not overlap")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report, results = [], {}
+    for text in args.topologies.split(","):
+        nodes, per_node = parse_topology(text)
+        world = nodes * per_node
+        raw = run_distributed(run_rank, world, args.recipe, starts, args.window, args.global_batch,
+                              str(out / f"run_{text}"), node_size=per_node, timeout=3600)[0]
+        results[text] = summarize(raw)
+        report.append(markdown(f"{nodes} nodes x {per_node} ranks", results[text]))
+        print(report[-1], flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text("\n".join(report))
+    print(f"wrote {out / 'results.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
