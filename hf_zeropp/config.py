@@ -329,8 +329,8 @@ class ZeroPPConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ZeroPPConfig:
         """A named configuration: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zeropp`` (qwZ+hpZ+qgZ),
-        ``zeropp-accurate`` (zeropp with Hadamard-rotated qgZ blocks and an 8-bit intra-node hop), ``zeropp-lora``, ``zeropp-qwz``,
-        ``zeropp-hpz``, ``zeropp-qgz``."""
+        ``zeropp-accurate`` (zeropp with Hadamard-rotated qgZ blocks and an 8-bit intra-node hop), ``zeropp-lora``,
+        ``zeropp-qwz``, ``zeropp-hpz``, ``zeropp-qgz``."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})

@@ -69,8 +69,9 @@ class ErrorFeedback:
     same partial sums before they are requantized in the next, so rounding errors cancel over steps instead of
     accumulating in the weights. With ``decay`` > 0 the residual carried forward is a moving average of the dropped
     errors (``decay`` x the previous residual + (1 - decay) x this step's), which damps the step-to-step noise the
-    compensation adds (the first residual after a reset is the dropped error itself); ``reset_every`` drops it every so many reductions, so that a residual never outlives the
-    gradients it came from by much (LoCo: averaged, compressed, reset). Only this hop: its partial sums are already
+    compensation adds (the first residual after a reset is the dropped error itself); ``reset_every`` drops it every
+    so many reductions, so that a residual never outlives the gradients it came from by much (LoCo: averaged,
+    compressed, reset). Only this hop: its partial sums are already
     1/node_size of the unit's gradient on each rank, whereas compensating hop 1 would need a residual as large as the
     whole unsharded gradient. The residual is kept block-quantized to 8 bits, one per pipeline stage:
     ``numel / node_size`` bytes (plus one fp32 scale per block) per rank for a unit of ``numel`` parameters, for as

@@ -257,7 +257,6 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
     training = {**recipe["training"], "output_dir": workdir, "per_device_train_batch_size": global_batch // world,
                 "eval_strategy": "no", "save_strategy": "no", "logging_steps": 10_000, "report_to": "none",
                 "dataloader_num_workers": 0}
-    training["zeropp"] = {**training["zeropp"]}  # the launch's node size comes from LOCAL_WORLD_SIZE
     torch.manual_seed(training["seed"])
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=int(recipe["data"]["seq_len"]),
                                        bos_token_id=0, eos_token_id=0, **recipe["model"]))
