@@ -38,8 +38,9 @@ between nodes; with g ranks in node order, d per node, a ring crossing every nod
   -> wire = logical x (g-1)/(d(g-d))        (2x2: 0.75)
 * torch's reduce-scatter (ProcessGroupGloo runs a full ring all-reduce, then keeps its chunk; the stock FSDP2
   peer): 2(g-1)/g across, logically d(g-d)/g -> wire = logical x 2(g-1)/(d(g-d))   (2x2: 1.5)
-* all-to-all (pairwise): wire = logical x 1; qgZ's inter-node hop (a group of one rank per node) likewise, and
-  hf_zeropp's own reduce-scatter, which on gloo is an all-to-all of the chunks plus a local sum.
+* all-to-all (pairwise): wire = logical x 1; qgZ's inter-node hop (a group of one rank per node) likewise.
+* hf_zeropp's own reduce-scatter: on gloo the cheaper of the two above, an all-to-all of the chunks plus a local
+  sum (x 1; 2x2, 4x2) or torch's ring (2x4: 0.875); see hf_zeropp.comm_meter.gloo_reduce_scatter_as_all_to_all.
 
 The benchmark measures these factors once per run (``probe``: each collective alone between counter reads) and
 compares, per configuration and node, the expected wire bytes (meter x factor) with the veth counters over the

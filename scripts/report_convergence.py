@@ -7,7 +7,8 @@ skipped. Runs of one recipe
 with different seeds are aggregated: the final loss is reported as mean ± sample standard deviation over seeds, and
 the gap to the baseline is computed per seed against the baseline run of the same seed (same initialisation and
 data order), then averaged — at mini scale the seed-to-seed spread is larger than the effects being measured, so
-only paired gaps are comparable. Writes the markdown table to ``<out>/table.md`` and the mean validation-loss curves
+only paired gaps are comparable. With two or more paired seeds the gap also gets its 95 % confidence interval
+(Student's t over the per-seed gaps: the seeds are the independent samples). Writes the markdown table to ``<out>/table.md`` and the mean validation-loss curves
 (band: min–max over seeds) to ``<out>/validation_loss.png``.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -64,26 +66,61 @@ def _mean_spread(values: list[float], digits: int, signed: bool = False) -> str:
     return mean if len(values) == 1 else f"{mean} ± {statistics.stdev(values):.{digits}f}"
 
 
+def student_t_quantile(probability: float, degrees_of_freedom: int) -> float:
+    """The t distribution's quantile, by bisection on its CDF (Simpson's rule on the density): the confidence
+    interval needs it for 1-7 degrees of freedom, where the normal quantile would understate the interval by up to
+    6x, and the project does not depend on scipy."""
+    if not 0.5 <= probability < 1 or degrees_of_freedom < 1:
+        raise ValueError(f"need 0.5 <= probability < 1 and degrees_of_freedom >= 1, got {probability}, "
+                         f"{degrees_of_freedom}")
+    nu = degrees_of_freedom
+    log_norm = math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2) - 0.5 * math.log(nu * math.pi)
+
+    def density(x: float) -> float:
+        return math.exp(log_norm - (nu + 1) / 2 * math.log1p(x * x / nu))
+
+    def cdf(x: float, intervals: int = 2000) -> float:
+        h = x / intervals
+        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, intervals))
+        return 0.5 + h / 3 * (density(0.0) + inner + density(x))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < probability:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < probability else (low, middle)
+    return (low + high) / 2
+
+
+def confidence_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Two-sided Student's t interval for the mean of ``values`` (two or more)."""
+    mean, n = statistics.fmean(values), len(values)
+    half = student_t_quantile(0.5 + level / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return mean - half, mean + half
+
+
 def table(runs: dict[str, dict[int, dict]], baseline: str) -> str:
     if baseline not in runs:
         raise SystemExit(f"baseline run {baseline!r} not found among {sorted(runs)}")
     base = runs[baseline]
-    header = ("| configuration | seeds | final validation loss | gap to baseline | gap per seed | paper (Table 5) "
-              "| train time |")
-    lines = [header, "|---|---:|---:|---:|---|---:|---:|"]
+    header = ("| configuration | seeds | final validation loss | gap to baseline | 95 % CI of the gap | gap per seed "
+              "| paper (Table 5) | train time |")
+    lines = [header, "|---|---:|---:|---:|---:|---|---:|---:|"]
     for name, by_seed in sorted(runs.items(), key=lambda item: (item[0] != baseline, item[0])):
         seeds = sorted(by_seed)
         paired = [s for s in seeds if s in base]
         gaps = [(by_seed[s]["final"] - base[s]["final"]) / base[s]["final"] * 100 for s in paired]
         gap_text = _mean_spread(gaps, 2, signed=True) + " %" if gaps else "no paired baseline"
         per_seed = ", ".join(f"{gap:+.2f}" for gap in gaps) if len(gaps) > 1 else "—"
+        interval = "[{:+.2f}, {:+.2f}] %".format(*confidence_interval(gaps)) if len(gaps) > 1 else "—"
         paper = PAPER_TABLE5.get(name)
         paper_text = f"{paper:.4f} ({(paper - PAPER_TABLE5['zero3']) / PAPER_TABLE5['zero3'] * 100:+.2f} %)" \
             if paper else "diverged" if "nonblocked" in name else "—"
         runtimes = [by_seed[s]["runtime"] for s in seeds if by_seed[s]["runtime"]]
         runtime = f"{statistics.fmean(runtimes):.0f} s" if runtimes else "—"
         finals = _mean_spread([by_seed[s]["final"] for s in seeds], 4)
-        lines.append(f"| {name} | {','.join(map(str, seeds))} | {finals} | {gap_text} | {per_seed} | {paper_text} "
+        lines.append(f"| {name} | {','.join(map(str, seeds))} | {finals} | {gap_text} | {interval} | {per_seed} | {paper_text} "
                      f"| {runtime} |")
     return "\n".join(lines)
 

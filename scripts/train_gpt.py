@@ -1,18 +1,19 @@
-"""Train a GPT-2-style model from a recipe YAML with ZeroPPTrainer (the Table 5 runner).
+"""Train a GPT-2- or Llama-style model from a recipe YAML with ZeroPPTrainer (the Table 5 runner).
 
     torchrun --nproc_per_node 4 scripts/train_gpt.py recipes/gpt350m_pile/mini/zeropp.yaml [--max_steps 20 ...]
 
-A recipe has three sections: ``model`` (GPT2Config keywords), ``data`` (corpus, tokenizer, sequence length) and
-``training`` (TrainingArguments keywords, including ``zeropp``: a preset, a file or a dict). A recipe with
-``base: other.yaml`` (relative to its folder) starts from that recipe and replaces the keys it gives in each
-section, so a variant states only what differs. Any TrainingArguments flag on the command line (``--zeropp zero3``,
-``--max_steps 10``, ``--output_dir ...``) overrides the recipe. Validation loss is evaluated on a held-out split every
-``eval_steps``; every log and evaluation is appended as one JSON line to ``<output_dir>/metrics.jsonl``, which
-``scripts/report_convergence.py`` reads.
+A recipe has three sections: ``model`` (``family``: ``gpt2`` (default) or ``llama``, and that family's config
+keywords), ``data`` (corpus, tokenizer, sequence length) and ``training`` (TrainingArguments keywords, including
+``zeropp``: a preset, a file or a dict). A recipe with ``base: other.yaml`` (relative to its folder) starts from that
+recipe and replaces the keys it gives in each section, so a variant states only what differs. Any TrainingArguments
+flag on the command line (``--zeropp zero3``, ``--max_steps 10``, ``--output_dir ...``) overrides the recipe.
+Validation loss is evaluated on a held-out split every ``eval_steps``; every log and evaluation is appended as one
+JSON line to ``<output_dir>/metrics.jsonl``, which ``scripts/report_convergence.py`` reads.
 
-Data sources: ``stdlib`` — the Python standard library's source, byte-level tokens (offline, identical on every
-machine); or any ``datasets``-loadable text set (``name``, optional ``config``, ``text_field``, ``streaming``)
-tokenized with a transformers tokenizer (default ``gpt2``) and packed into fixed-length sequences.
+Data sources: ``stdlib`` — the Python standard library's source, or ``python_docs`` — English prose shipped with
+Python (``hf_zeropp.testing.corpus``), both byte-level tokens, offline and identical on every machine; or any
+``datasets``-loadable text set (``name``, optional ``config``, ``text_field``, ``streaming``) tokenized with a
+transformers tokenizer (default ``gpt2``) and packed into fixed-length sequences.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from typing import Any
 import torch
 import yaml
 from torch.utils.data import Dataset, IterableDataset
-from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, TrainerCallback
+from transformers import (GPT2Config, GPT2LMHeadModel, HfArgumentParser, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedModel, TrainerCallback)
 
 import hf_zeropp
-from hf_zeropp.testing.corpus import byte_sequences
+from hf_zeropp.testing.corpus import CORPORA, byte_sequences
 
 
 class PackedSequences(Dataset):
@@ -67,8 +69,9 @@ class PackedStream(IterableDataset):
 def build_datasets(data: dict[str, Any]) -> tuple[Dataset | IterableDataset, Dataset | IterableDataset, int]:
     """(train, validation, vocabulary size) for the recipe's ``data`` section."""
     seq_len = int(data["seq_len"])
-    if data.get("source", "stdlib") == "stdlib":
-        sequences = byte_sequences(int(data.get("max_bytes", 4_000_000)), seq_len)
+    source = data.get("source", "stdlib")
+    if source in CORPORA:
+        sequences = byte_sequences(int(data.get("max_bytes", 4_000_000)), seq_len, source)
         held_out = max(1, int(len(sequences) * float(data.get("validation_fraction", 0.05))))
         return PackedSequences(sequences[:-held_out]), PackedSequences(sequences[-held_out:]), 256
     from datasets import load_dataset
@@ -83,6 +86,19 @@ def build_datasets(data: dict[str, Any]) -> tuple[Dataset | IterableDataset, Dat
     return (PackedStream(train, tokenizer, seq_len, text_field, None),
             PackedStream(validation, tokenizer, seq_len, text_field, int(data.get("validation_sequences", 512))),
             len(tokenizer))
+
+
+def build_model(model: dict[str, Any], vocab: int, seq_len: int) -> PreTrainedModel:
+    """A freshly initialised causal LM of the recipe's ``family`` (token 0 doubles as BOS/EOS for byte corpora)."""
+    keywords = dict(model)
+    family = keywords.pop("family", "gpt2")
+    if family == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq_len, bos_token_id=0, eos_token_id=0,
+                                          **keywords))
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, max_position_embeddings=seq_len, bos_token_id=0,
+                                            eos_token_id=0, pad_token_id=None, **keywords))
+    raise SystemExit(f"model family {family!r} is not supported; use 'gpt2' or 'llama'")
 
 
 class MetricsFile(TrainerCallback):
@@ -140,8 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     recipe, args = parse(sys.argv[1:] if argv is None else argv)
     train, validation, vocab = build_datasets(recipe["data"])
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=int(recipe["data"]["seq_len"]),
-                                       bos_token_id=0, eos_token_id=0, **recipe["model"]))
+    model = build_model(recipe["model"], vocab, int(recipe["data"]["seq_len"]))
     trainer = hf_zeropp.ZeroPPTrainer(model=model, args=args, train_dataset=train, eval_dataset=validation,
                                       callbacks=[MetricsFile(Path(args.output_dir) / "metrics.jsonl", recipe["name"],
                                                                  args.seed)])

@@ -198,36 +198,49 @@ def test_qwz_all_gather_stays_within_half_a_step_in_every_dtype(nodes, node_size
         assert ("qwZ" in implementation) == (nodes > 1), implementation
 
 
-def _reduce_scatter_worker():
-    """hf_zeropp's plain reduce-scatter against the float64 sum of every rank's input (each rank rebuilds all
-    inputs from their seeds), in fp32 and bf16, called as FSDP calls it and as a work handle."""
-    from hf_zeropp.comm_meter import reduce_scatter_single
+def _reduce_scatter_worker(node_size: int):
+    """hf_zeropp's plain reduce-scatter, as FSDP calls it (``MeteredReduceScatter``, which passes the topology's
+    ranks per node) and as a work handle, against the float64 sum of every rank's input (each rank rebuilds all
+    inputs from their seeds), in fp32 and bf16; also which algorithm ran. The all-to-all sums in fp32 and rounds
+    once; gloo's ring, like NCCL's and like stock FSDP2 on gloo, rounds its partial sums to the dtype at each of
+    its g - 1 hops."""
+    import hf_zeropp.comm_meter as comm_meter
 
+    _, meter = _setup(node_size)
+    all_to_all_calls = []
+    as_all_to_all = comm_meter._reduce_scatter_as_all_to_all
+    comm_meter._reduce_scatter_as_all_to_all = lambda *args: all_to_all_calls.append(1) or as_all_to_all(*args)
+    metered = comm_meter.MeteredReduceScatter(meter)
     world, rank = dist.get_world_size(), dist.get_rank()
+    roundings = 1 if comm_meter.gloo_reduce_scatter_as_all_to_all(world, node_size) else world - 1
     results = {"backend": dist.get_backend()}
     for dtype in (torch.float32, torch.bfloat16):
         inputs = [(torch.randn(world, SHARD, generator=torch.Generator().manual_seed(7 + r)) * 3).to(dtype)
                   for r in range(world)]
         exact = sum(x[rank].double() for x in inputs)
         magnitude = sum(x[rank].double().abs() for x in inputs)
-        tolerance = exact.abs() * torch.finfo(dtype).eps + magnitude * world * torch.finfo(torch.float32).eps
+        tolerance = (exact.abs() if roundings == 1 else magnitude) * roundings * torch.finfo(dtype).eps \
+            + magnitude * world * torch.finfo(torch.float32).eps
         sync = torch.empty(SHARD, dtype=dtype)
-        assert reduce_scatter_single(sync, inputs[rank].reshape(-1), None, dist.ReduceOp.SUM) is None
+        assert metered(sync, inputs[rank].reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM) is None
         pending = torch.full((SHARD,), float("nan"), dtype=dtype)
-        work = reduce_scatter_single(pending, inputs[rank].reshape(-1), None, dist.ReduceOp.SUM, async_op=True)
+        work = metered(pending, inputs[rank].reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM, async_op=True)
         work.wait()
         for name, got in (("sync", sync), ("async", pending)):
             results[(name, dtype)] = bool(((got.double() - exact).abs() <= tolerance).all())
-    return results
+    return results, len(all_to_all_calls)
 
 
-@pytest.mark.parametrize("nodes,node_size", [(2, 2), (1, 3)])
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (1, 3), (2, 4)])
 def test_plain_reduce_scatter_sums_exactly_on_gloo(nodes, node_size):
-    """On gloo it runs as an all-to-all plus a local sum (so its wire bytes are the logical ones, see
-    scripts/benchmarks/wire.py and the bench_cluster probe); the sums must be the reduce-scatter's."""
-    for result in run_distributed(_reduce_scatter_worker, nodes * node_size, node_size=node_size):
+    """On gloo it runs as an all-to-all plus a local sum where that crosses nodes with fewer bytes than gloo's ring
+    all-reduce (2 x 2, and one node), else as gloo's own (2 x 4; see ``gloo_reduce_scatter_as_all_to_all``,
+    scripts/benchmarks/wire.py and the bench_cluster probe); either way the sums must be the reduce-scatter's."""
+    for result, all_to_all_calls in run_distributed(_reduce_scatter_worker, nodes * node_size, node_size,
+                                                    node_size=node_size):
         assert result.pop("backend") == "gloo"
         assert all(result.values()), result
+        assert all_to_all_calls == (0 if (nodes, node_size) == (2, 4) else 4)
 
 
 FEEDBACK_VARIANTS = {"off": {}, "plain": {"error_feedback": True},

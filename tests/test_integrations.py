@@ -78,12 +78,12 @@ def test_trainer_from_the_command_line_logs_comm_and_resumes(tmp_path):
     GPT2LMHeadModel.from_pretrained(tmp_path / "full")
 
 
-def test_accuracy_variant_recipe_runs_hadamard_stochastic_8bit_intra_hop(tmp_path):
-    """A ``base:`` recipe (the best combination of the qgZ accuracy options) through the runner: its qgZ sends an
-    8-bit intra-node hop (4x the bytes of the 4-bit inter-node hop with 2 ranks per node, vs 2x with a 4-bit first
-    hop) and its hop-1 error, measured after rotating back, is that of 8 bits."""
+def test_second_accuracy_case_runs_llama_on_python_docs_with_the_accurate_preset(tmp_path):
+    """The second accuracy case's ``base:`` recipe through the runner: a Llama on the ``python_docs`` corpus with
+    ``zeropp-accurate``, whose qgZ sends an 8-bit intra-node hop (4x the bytes of the 4-bit inter-node hop with 2
+    ranks per node, vs 2x with a 4-bit first hop) with the hop-1 error of 8 bits (measured after rotating back)."""
     _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_gpt.py",
-             "recipes/gpt350m_pile/mini/zeropp_hadamard_sr_intra8.yaml", "--output_dir", str(tmp_path),
+             "recipes/llama_python_docs/zeropp_accurate.yaml", "--output_dir", str(tmp_path),
              "--max_steps", "6", "--logging_steps", "2", "--eval_steps", "6"], {"ZEROPP_NODE_SIZE": "2"})
     logs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_logs = [m for m in logs if "loss" in m]
@@ -93,6 +93,29 @@ def test_accuracy_variant_recipe_runs_hadamard_stochastic_8bit_intra_hop(tmp_pat
     assert 3.5 < ratio < 4.5, ratio
     assert 0 < first["zeropp/qgz_intra_relative_error"] < 0.02
     assert any("eval_loss" in m for m in logs)
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert model.config.num_key_value_heads == 2 and model.config.vocab_size == 256
+
+
+def test_python_docs_corpus_is_deterministic_prose_unlike_the_stdlib_code_corpus():
+    """The second case's corpus must be another kind of text: code punctuation is half as frequent as in the
+    standard library's source, and it is the same bytes on every call."""
+    import re
+
+    from hf_zeropp.testing.corpus import byte_sequences, python_docs_bytes, stdlib_source_bytes
+
+    docs, code = python_docs_bytes(600_000), stdlib_source_bytes(600_000)
+    assert len(docs) == 600_000 and docs == python_docs_bytes(600_000)
+
+    def code_punctuation(text: bytes) -> float:
+        return len(re.findall(rb"[()\[\]{}=_:#]", text)) / len(text)
+
+    assert code_punctuation(docs) < 0.6 * code_punctuation(code), (code_punctuation(docs), code_punctuation(code))
+    assert byte_sequences(600_000, 128, "python_docs").shape == (4687, 128)
+    with pytest.raises(ValueError, match=r"unknown corpus 'pile'.*python_docs"):
+        byte_sequences(1000, 8, "pile")
 
 
 def _sft_run(output: str):

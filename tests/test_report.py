@@ -31,16 +31,16 @@ def test_report_table_and_plot(tmp_path):
     result = _report(tmp_path, "--baseline", "zero3", "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     table = (tmp_path / "report" / "table.md").read_text().splitlines()
-    assert table[2] == "| zero3 | 0 | 2.0000 | +0.00 % | — | 2.1218 (+0.00 %) | 12 s |"
-    assert "| zeropp | 0 | 2.0400 | +2.00 % | — | 2.1656 (+2.06 %) | 12 s |" in table
-    assert "| zeropp_nonblocked | 0 | 3.3000 | +65.00 % | — | diverged | 12 s |" in table
+    assert table[2] == "| zero3 | 0 | 2.0000 | +0.00 % | — | — | 2.1218 (+0.00 %) | 12 s |"
+    assert "| zeropp | 0 | 2.0400 | +2.00 % | — | — | 2.1656 (+2.06 %) | 12 s |" in table
+    assert "| zeropp_nonblocked | 0 | 3.3000 | +65.00 % | — | — | diverged | 12 s |" in table
     png = (tmp_path / "report" / "validation_loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_report_averages_seeds_and_pairs_each_gap_with_its_own_baseline(tmp_path):
     """Gaps are per seed against the same seed's baseline: +2 % and +4 % average to +3 % (sample std 1.41), not
-    the gap of the means."""
+    the gap of the means; with two seeds the 95 % interval is 3 ± t(0.975, 1) x 1.41 / sqrt(2) = 3 ± 12.71."""
     for seed, (base, other) in enumerate([(2.0, 2.04), (2.5, 2.6)]):
         _write_run(tmp_path / f"seed{seed}" / "zero3", "zero3", [3.0, base], seed=seed)
         _write_run(tmp_path / f"seed{seed}" / "zeropp", "zeropp", [3.0, other])  # seed from the folder name
@@ -52,9 +52,21 @@ def test_report_averages_seeds_and_pairs_each_gap_with_its_own_baseline(tmp_path
     result = _report(tmp_path)
     assert result.returncode == 0, result.stderr
     table = (tmp_path / "report" / "table.md").read_text().splitlines()
-    assert table[2] == "| zero3 | 0,1 | 2.2500 ± 0.3536 | +0.00 ± 0.00 % | +0.00, +0.00 | 2.1218 (+0.00 %) | 12 s |"
-    assert table[3] == "| zeropp | 0,1,2 | 4.5467 ± 3.8669 | +3.00 ± 1.41 % | +2.00, +4.00 | 2.1656 (+2.06 %) | 12 s |"
+    assert table[2] == "| zero3 | 0,1 | 2.2500 ± 0.3536 | +0.00 ± 0.00 % | [+0.00, +0.00] % | +0.00, +0.00 | 2.1218 (+0.00 %) | 12 s |"
+    assert table[3] == "| zeropp | 0,1,2 | 4.5467 ± 3.8669 | +3.00 ± 1.41 % | [-9.71, +15.71] % | +2.00, +4.00 | 2.1656 (+2.06 %) | 12 s |"
     assert "skipping" in result.stderr and "seed3" in result.stderr
+
+
+def test_student_t_quantiles_match_published_tables():
+    """Two-sided 95 % critical values (t tables; df=1000 approaches the normal 1.96) and one one-sided 95 %."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from report_convergence import confidence_interval, student_t_quantile
+
+    for df, expected in [(1, 12.7062), (2, 4.3027), (3, 3.1824), (7, 2.3646), (30, 2.0423), (1000, 1.9623)]:
+        assert abs(student_t_quantile(0.975, df) - expected) < 1e-4, df
+    assert abs(student_t_quantile(0.95, 4) - 2.1318) < 1e-4
+    low, high = confidence_interval([0.1, 0.3, 0.2, 0.4, 0.0, 0.2, 0.3, 0.1])  # mean 0.2, sd 0.1309, n 8
+    assert abs(low - (0.2 - 2.3646 * 0.130931 / 8 ** 0.5)) < 1e-4 and abs(high + low - 0.4) < 1e-12
 
 
 def test_report_refuses_two_runs_of_one_recipe_and_seed(tmp_path):

@@ -1,12 +1,17 @@
-"""A text corpus present on every machine with Python and no network: the standard library's own source.
+"""Text corpora present on every machine with Python and no network.
 
-Used by the demo, the tests and the mini recipes so they run offline and identically everywhere.
+``stdlib``: the standard library's own source (code). ``python_docs``: English prose shipped with Python (the
+documentation topics behind ``help()`` and the standard library subpackages' docstrings), a second corpus of another
+kind for checking that an accuracy result is not specific to one dataset. Used by the demo, the tests and the mini
+recipes so they run offline and identically everywhere.
 """
 
 from __future__ import annotations
 
+import ast
 import sysconfig
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,9 +29,47 @@ def stdlib_source_bytes(max_bytes: int) -> bytes:
     return b"".join(chunks)[:max_bytes]
 
 
-def byte_sequences(max_bytes: int, seq_len: int) -> torch.Tensor:
-    """Byte-level tokens (vocabulary 256) packed into ``(n, seq_len)`` sequences."""
-    data = torch.frombuffer(bytearray(stdlib_source_bytes(max_bytes)), dtype=torch.uint8).long()
+# Subpackages that distributions often ship separately or strip (tests, GUI, demos) or that hold third-party code:
+# leaving them out keeps the corpus the same wherever this Python version is installed.
+_OPTIONAL_SUBPACKAGES = frozenset({"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip",
+                                   "site-packages", "dist-packages"})
+
+
+def python_docs_bytes(max_bytes: int) -> bytes:
+    """The documentation topics (sorted by name), then every docstring of the standard library's subpackages (sorted
+    path order, modules, classes and functions in ``ast.walk`` order), separated by blank lines, truncated. The
+    top-level modules are left out: they are the ``stdlib`` corpus."""
+    from pydoc_data.topics import topics
+
+    chunks = [topics[name].encode() for name in sorted(topics)]
+    total = sum(map(len, chunks))
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.glob("*/**/*.py")):
+        if total >= max_bytes:
+            break
+        if _OPTIONAL_SUBPACKAGES.intersection(path.relative_to(root).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_bytes())
+        except SyntaxError:  # data files shaped like Python (e.g. grammar fixtures)
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                docstring = ast.get_docstring(node)
+                if docstring:
+                    chunks.append(docstring.encode())
+                    total += len(chunks[-1]) + 2
+    return b"\n\n".join(chunks)[:max_bytes]
+
+
+CORPORA: dict[str, Callable[[int], bytes]] = {"stdlib": stdlib_source_bytes, "python_docs": python_docs_bytes}
+
+
+def byte_sequences(max_bytes: int, seq_len: int, corpus: str = "stdlib") -> torch.Tensor:
+    """Byte-level tokens (vocabulary 256) of one of ``CORPORA`` packed into ``(n, seq_len)`` sequences."""
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; the offline corpora are {sorted(CORPORA)}")
+    data = torch.frombuffer(bytearray(CORPORA[corpus](max_bytes)), dtype=torch.uint8).long()
     return data[: len(data) // seq_len * seq_len].view(-1, seq_len)
 
 

@@ -117,6 +117,14 @@ def targets(links: dict) -> list[dict]:
             out.append({"target": "hf_zeropp ZeRO-3 sends no more logical cross-node bytes per step than stock FSDP2",
                         "value": f"{mine / 1e6:.2f} vs {stock / 1e6:.2f} MB", "met": mine <= stock})
             break
+    for rows in (slow, fast):
+        if all("measured_wire_per_node_per_step" in rows.get(n, {}) for n in ("ZeRO-3", "FSDP2")):
+            mine, stock = (max(rows[n]["measured_wire_per_node_per_step"]) for n in ("ZeRO-3", "FSDP2"))
+            # 0.5 %: the counters also see retransmissions and the barriers' few kB
+            out.append({"target": "hf_zeropp ZeRO-3 puts no more bytes on the busiest node's link per step than stock "
+                                  "FSDP2 (veth counters)", "value": f"{mine / 1e6:.2f} vs {stock / 1e6:.2f} MB",
+                        "met": mine <= stock * 1.005})
+            break
     if "ZeRO++" in fast and "ZeRO-3" in fast:
         slower = fast["ZeRO++"]["median_step_s"] / fast["ZeRO-3"]["median_step_s"] - 1
         out.append({"target": "ZeRO++ <= 10 % slower than hf_zeropp ZeRO-3 on unshaped links",

@@ -29,7 +29,7 @@ def markdown(summary: dict, args) -> str:
         "Wire bytes are per node per step over the node's veth (TCP payload = tx_bytes - 66 B x packets); "
         "'expected' = comm_stats logical inter-node bytes x gloo's algorithm factor (all-gather ring "
         "(g-1)/(d(g-d)); torch's reduce-scatter (stock FSDP2) = ring all-reduce 2(g-1)/(d(g-d)); hf_zeropp's "
-        "reduce-scatter and all-to-alls 1). Link efficiency = the busiest node's measured wire time at the link "
+        "reduce-scatter = the cheaper of that ring and an all-to-all, 1; all-to-alls 1). Link efficiency = the busiest node's measured wire time at the link "
         "rate (frames and all) / the step time. Stock FSDP2 has no "
         "meter: its logical bytes are derived from its FSDP2 units with the meter's rule (the same derivation "
         "applied to ZeRO-3 matches ZeRO-3's meter; see results.json derived_vs_meter).",

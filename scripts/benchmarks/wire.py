@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hf_zeropp.comm_meter import gloo_reduce_scatter_as_all_to_all
+
 KINDS = ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter", "grad_allreduce", "qgz_intra", "qgz_inter",
          "qgz_1d_full_precision", "torch_reduce_scatter")
 HEADER_BYTES = 66
@@ -22,14 +24,15 @@ def wire_factors(world: int, node_size: int) -> dict[str, float]:
     if g == d:
         return {kind: 0.0 for kind in KINDS}
     ring = (g - 1) / (d * (g - d))
+    plain_reduce_scatter = 1.0 if gloo_reduce_scatter_as_all_to_all(g, d) else 2 * ring
     return {
         "fwd_allgather": ring,              # world-group ring all-gather (qwZ: codes and scales alike)
         "bwd_allgather": ring,              # world group without hpZ; with hpZ the meter's inter bytes are 0
-        "grad_reduce_scatter": 1.0,         # hf_zeropp's on gloo: pairwise all-to-all + local sum
+        "grad_reduce_scatter": plain_reduce_scatter,  # hf_zeropp's on gloo: all-to-all + local sum, or the ring
         "grad_allreduce": ring,             # meter counts 2 M (g-1)/g per rank, the ring sends 2 M (g-1)/g per node
         "qgz_intra": 1.0,                   # node-local (inter bytes are 0)
         "qgz_inter": 1.0,                   # pairwise all-to-all among one rank per node
-        "qgz_1d_full_precision": 1.0,       # qgZ's plain reduce-scatter of 1-D parameters (as grad_reduce_scatter)
+        "qgz_1d_full_precision": plain_reduce_scatter,  # qgZ's plain reduce-scatter of 1-D parameters
         "torch_reduce_scatter": 2 * ring,   # torch's gloo reduce-scatter (the stock peer) = ring all-reduce
     }
 

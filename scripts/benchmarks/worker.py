@@ -51,7 +51,7 @@ def _probe(node_size: int, megabytes: float) -> dict:
         "all_gather (world)": lambda: dist.all_gather_into_tensor(torch.empty(n), x[: n // g]),
         "reduce_scatter (world)": lambda: dist.reduce_scatter_tensor(torch.empty(n // g), x),
         "reduce_scatter (world, hf_zeropp)": lambda: reduce_scatter_single(torch.empty(n // g), x, None,
-                                                                            dist.ReduceOp.SUM),
+                                                                            dist.ReduceOp.SUM, ranks_per_node=d),
         "all_reduce (world)": lambda: dist.all_reduce(x.clone()),
         "all_to_all (world)": lambda: dist.all_to_all_single(torch.empty(n), x),
         "all_to_all (one rank per node)": lambda: dist.all_to_all_single(torch.empty(n), x, group=inter),
