@@ -41,7 +41,8 @@ UPSTREAM: dict[str, str] = {
     "set_post_forward_mesh_info": "FSDPParamGroup/FSDPParam.post_forward_mesh_info, "
                                   "FSDPParam._init_sharded_post_forward_param_metadata, FSDPParam._orig_size",
     "group_gathered_bytes": "FSDPParam.sharded_state, .all_gather_outputs, ._sharded_post_forward_param_data",
-    "keep_gathered_after_forward": "FSDPState._lazy_init, FSDPParamGroup.post_forward_mesh_info",
+    "unshard_all": "FSDPModule.unshard(async_op=True) and its handle's wait",
+    "keep_all_gathered": "FSDPState._lazy_init, FSDPModule.unshard, FSDPParamGroup.post_forward_mesh_info",
     "apply_activation_checkpointing": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
                                       ".apply_activation_checkpointing",
     "process_group_timeout": "ProcessGroup._get_backend(device).options._timeout",
@@ -184,16 +185,32 @@ def set_post_forward_mesh_info(group: Any, mesh_info: Any | None) -> None:
 
 
 # checked: torch 2.13
+def unshard_all(root: nn.Module) -> None:
+    """Gather every FSDP unit under ``root`` now (all gathers in flight at once, then waited on), in
+    ``root.modules()`` order, the same on every rank; a unit already gathered costs nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    handles = [module.unshard(async_op=True) for module in root.modules() if isinstance(module, FSDPModule)]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+
+
+# checked: torch 2.13
 @contextlib.contextmanager
-def keep_gathered_after_forward(root: nn.Module) -> Iterator[None]:
-    """Inside the block, every FSDP unit under ``root`` keeps its gathered weights after a forward (each group's
-    ``post_forward_mesh_info`` set to None, as FSDP does for its root); on exit each group's own setting comes back.
+def keep_all_gathered(root: nn.Module) -> Iterator[None]:
+    """Gather every FSDP unit under ``root`` on entry and keep it gathered after each forward inside the block
+    (each group's ``post_forward_mesh_info`` set to None, as FSDP does for its root); on exit each group's own
+    setting comes back (resharding is the caller's).
 
     FSDP's lazy init (``FSDPState._lazy_init``, normally run by the first forward) runs first: it is what turns
-    the root's resharding off, and it must not happen inside the block, where the restore would undo it."""
+    the root's resharding off, and it must not happen inside the block, where the restore would undo it. The
+    gathers run before resharding is switched off: a unit that holds an hpZ secondary shard from an earlier forward
+    gathers through that shard's mesh, which FSDP reads from the same field."""
     from torch.distributed.fsdp import FSDPModule
 
     root._get_fsdp_state()._lazy_init()
+    unshard_all(root)
     groups = [group for module in root.modules() if isinstance(module, FSDPModule)
               for group in fsdp_param_groups(module)]
     saved = [group.post_forward_mesh_info for group in groups]

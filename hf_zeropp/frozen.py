@@ -34,10 +34,10 @@ class FrozenInt8Weight:
     """One frozen weight: this rank's INT8 shard (and hpZ slice), gathered and dequantized on use."""
 
     def __init__(self, weight: torch.Tensor, topology: Topology, meter: CommMeter, bits: int,
-                 block_size: int, backend: kernels.Backend | None = None) -> None:
+                 block_size: int, compute_dtype: torch.dtype, backend: kernels.Backend | None = None) -> None:
         self.shape, self.dtype, self.numel, self.device = weight.shape, weight.dtype, weight.numel(), weight.device
         self.topology, self.meter, self.bits, self.block_size = topology, meter, bits, block_size
-        self.backend = backend
+        self.compute_dtype, self.backend = compute_dtype, backend
         self.shard_numel = -(-self.numel // topology.world_size)
         hpz = topology.hpz_mesh
         if hpz is not None:  # this rank's 1/k slice of the node's copy: every later gather stays in the node
@@ -47,7 +47,7 @@ class FrozenInt8Weight:
             self.group = topology.world_mesh.get_group()
             self._position, self._parts = topology.rank, topology.world_size
         self.uses_hpz = hpz is not None
-        self._held: dict[torch.dtype, torch.Tensor] | None = None  # dequantized weights kept while held
+        self._held: dict[torch.dtype, torch.Tensor] | None = None  # dequantized weights kept while held, by dtype
         self.load_(weight)
 
     def load_(self, weight: torch.Tensor) -> None:
@@ -62,16 +62,16 @@ class FrozenInt8Weight:
                                          backend=self.backend)
         self.codes = codes.view(self._parts, -1)[self._position].clone()
         self.scales = scales.view(self._parts, -1)[self._position].clone()
-        if self._held is not None:
-            self._held.clear()  # a weight dequantized before this load is stale
+        if self._held is not None:  # the held copy is stale; every rank has the codes a gather would return
+            self._held = {self.compute_dtype: self._dequantize(codes, scales, self.compute_dtype)}
 
     def stored_bytes(self) -> int:
         return nbytes(self.codes) + nbytes(self.scales)
 
-    def hold(self) -> None:
-        """Keep each weight :meth:`materialize` dequantizes until :meth:`release`: later uses gather nothing
-        (:func:`hf_zeropp.gathered_for_inference`)."""
-        self._held = {}
+    def hold(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Keep the weight dequantized (in its compute dtype) from these gathered ``codes`` and ``scales`` until
+        :meth:`release`: later uses communicate nothing. :func:`hold_all` gathers them."""
+        self._held = {self.compute_dtype: self._dequantize(codes, scales, self.compute_dtype)}
 
     def release(self) -> None:
         self._held = None
@@ -81,21 +81,50 @@ class FrozenInt8Weight:
 
     def materialize(self, dtype: torch.dtype) -> torch.Tensor:
         """The full weight in ``dtype``: gathered (INT8) and dequantized now, a temporary tensor — or, while held,
-        the one dequantized at the first use."""
-        if self._held is not None and dtype in self._held:
-            return self._held[dtype]
-        gathered_codes, gathered_scales = all_gather_packed([self.codes, self.scales], self.group)
-        self.meter.record("frozen_allgather", self.group, nbytes(self.codes) + nbytes(self.scales),
-                          f"frozen int{self.bits} weight all_gather" + (" (hpZ copy)" if self.uses_hpz else "")
-                          + f", kernels {kernels.active_backend(self.codes.device, self.backend)}")
+        the held one (cast once, and kept, if another dtype is asked for: no gather inside the block)."""
+        if self._held is None:
+            return self._dequantize(*self._gather(), dtype)
+        if dtype not in self._held:
+            self._held[dtype] = self._held[self.compute_dtype].to(dtype)
+        return self._held[dtype]
+
+    def _gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's codes and scales of this weight, as ``(parts, bytes)`` int8 rows."""
+        return tuple(_gather_packed([self]))
+
+    def gather_description(self) -> str:
+        return (f"frozen int{self.bits} weight all_gather" + (" (hpZ copy)" if self.uses_hpz else "")
+                + f", kernels {kernels.active_backend(self.codes.device, self.backend)}")
+
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         world = self.topology.world_size
-        weight = kernels.dequantize(gathered_codes.view(world, -1), gathered_scales.view(torch.float32).view(world, -1),
-                                    bits=self.bits, block_size=self.block_size, length=self.shard_numel, dtype=dtype,
+        weight = kernels.dequantize(codes.view(world, -1), scales.view(torch.float32).view(world, -1), bits=self.bits,
+                                    block_size=self.block_size, length=self.shard_numel, dtype=dtype,
                                     backend=self.backend)
-        weight = weight.view(-1)[: self.numel].view(self.shape)
-        if self._held is not None:
-            self._held[dtype] = weight
-        return weight
+        return weight.view(-1)[: self.numel].view(self.shape)
+
+
+def _gather_packed(stores: list[FrozenInt8Weight]) -> list[torch.Tensor]:
+    """The gathered codes and scales of ``stores`` (all on one group), in that order, from one collective."""
+    first = stores[0]
+    parts = all_gather_packed([t for store in stores for t in (store.codes, store.scales)], first.group)
+    first.meter.record("frozen_allgather", first.group, sum(store.stored_bytes() for store in stores),
+                       first.gather_description() + (f", {len(stores)} weights packed" if len(stores) > 1 else ""))
+    return parts
+
+
+def hold_all(stores: list[FrozenInt8Weight]) -> None:
+    """Gather every store not held yet — one packed all-gather per group, not one per weight: at block entry the
+    per-collective latency of tens of small gathers costs more than the bytes — and hold each dequantized (a
+    collective: every rank calls it with the same stores)."""
+    by_group: dict[int, list[FrozenInt8Weight]] = {}
+    for store in stores:
+        if store._held is None:
+            by_group.setdefault(id(store.group), []).append(store)
+    for group_stores in by_group.values():
+        parts = _gather_packed(group_stores)
+        for index, store in enumerate(group_stores):
+            store.hold(parts[2 * index], parts[2 * index + 1])
 
 
 class _FrozenMatmul(torch.autograd.Function):
@@ -126,7 +155,7 @@ def _conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    weight = self._zeropp_frozen.materialize(self._zeropp_compute_dtype)
+    weight = self._zeropp_frozen.materialize(self._zeropp_frozen.compute_dtype)
     return F.embedding(ids, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
                        self.sparse)
 
@@ -165,12 +194,11 @@ def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMet
         store = stores.get(id(weight))
         if store is None:
             store = stores[id(weight)] = FrozenInt8Weight(values(weight), topology, meter, bits, block_size,
-                                                                backend)
+                                                                compute_dtype or weight.dtype, backend)
         del module._parameters["weight"]
         # a shape/dtype-only stand-in, for code (peft, generation utilities) that inspects `.weight`
         module.weight = torch.empty(store.shape, dtype=weight.dtype, device="meta")
         module._zeropp_frozen = store
-        module._zeropp_compute_dtype = compute_dtype or weight.dtype
         module.forward = types.MethodType(forward, module)
         converted[f"{name}.weight" if name else "weight"] = store
     if not converted:

@@ -2,8 +2,8 @@
 """RLHF on slow links, side by side: ZeRO-3 with bf16 frozen weights vs ZeRO++ with frozen INT8 + hpZ, each with
 generation gathering the weights per token (FSDP's per-forward gathering) and once per generate() call.
 
-    sudo .venv/bin/python scripts/bench_lora.py --out out/bench_lora           # ~8 min (bf16; fp32 ~5 min)
-    sudo .venv/bin/python scripts/bench_lora.py --out out/bench_lora --quick   # ~6 min
+    sudo .venv/bin/python scripts/bench_lora.py --out out/bench_lora --rounds 8   # ~4 min (bf16; fp32 ~6 min)
+    sudo .venv/bin/python scripts/bench_lora.py --out out/bench_lora --quick      # ~2 min
 
 For each link rate (100mbit, 1gbit, unshaped) one emulated cluster of 2 nodes x 2 gloo ranks is built with
 scripts/emulate_cluster.py (network namespaces, veth links shaped with tc) and, in that one launch, every
@@ -27,7 +27,7 @@ Timing: ``--warmup`` steps per configuration, then ``--rounds`` rounds of one st
 round. Times are the slowest rank's; the table shows medians. Generation tokens/s per rank = completion tokens one
 rank generates / generation time. Memory per rank: policy + reference bytes at rest (``state_bytes``:
 shards, INT8 stores, LoRA optimizer state) and the peak of ``gathered_parameter_bytes`` during generation (what the
-per-call path holds: the whole model in bf16). Bytes sent per step (hf_zeropp's meter, intra / inter node).
+per-call path holds: the whole model in bf16), read at every token of the warm-up steps only. Bytes sent per step (hf_zeropp's meter, intra / inter node).
 
 Writes ``results.json`` and ``results.md`` under ``--out``. Needs root, ``ip`` and ``tc``.
 """
@@ -95,8 +95,10 @@ def _token_logprobs(model, ids, prompt_length: int):
     return torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_length:, None]).squeeze(-1)
 
 
-def _grpo_step(policy, reference, optimizer, prompts, args) -> dict:
-    """One GRPO-shaped step; returns the generation and whole-step times and the peak held bytes."""
+def _grpo_step(policy, reference, optimizer, prompts, args, record_peak: bool) -> dict:
+    """One GRPO-shaped step; returns the generation and whole-step times and, with ``record_peak`` (warm-up steps
+    only: reading the held bytes at every token costs time the timed steps should not include), the peak held
+    bytes."""
     import torch
     from transformers import LogitsProcessor
 
@@ -113,8 +115,8 @@ def _grpo_step(policy, reference, optimizer, prompts, args) -> dict:
     batch = prompts.repeat_interleave(args.generations, 0)
     with torch.no_grad():
         ids = policy.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=args.new_tokens,
-                              min_new_tokens=args.new_tokens,
-                              do_sample=True, top_k=0, pad_token_id=0, logits_processor=[RecordHeld()])
+                              min_new_tokens=args.new_tokens, do_sample=True, top_k=0, pad_token_id=0,
+                              logits_processor=[RecordHeld()] if record_peak else None)
     generated = time.perf_counter()
     completions = ids[:, prompts.shape[1]:]
     rewards = (completions % 2 == 0).float().mean(-1).view(-1, args.generations)  # a rule-based reward
@@ -148,10 +150,10 @@ def worker(args) -> None:
     torch.manual_seed(100 + rank)  # sampling in generate()
     records: dict[str, list] = {name: [] for name in names}
 
-    def step(name: str) -> dict:
+    def step(name: str, record_peak: bool = False) -> dict:
         policy, reference, optimizer = setups[name]
         dist.barrier()
-        timed = _grpo_step(policy, reference, optimizer, prompts, args)
+        timed = _grpo_step(policy, reference, optimizer, prompts, args, record_peak)
         stats = {"policy": hf_zeropp.comm_stats(policy, reset=True),
                  "reference": hf_zeropp.comm_stats(reference, reset=True)}
         slowest = torch.tensor([timed["generation_s"], timed["step_s"]])
@@ -161,9 +163,7 @@ def worker(args) -> None:
                 "inter_bytes": sum(s["total"]["inter_node"] for s in stats.values()),
                 "implementations": stats["policy"]["implementations"].get("inference")}
 
-    for name in names:
-        for _ in range(args.warmup):
-            step(name)
+    peaks = {name: max(step(name, record_peak=True)["peak_held"] for _ in range(args.warmup)) for name in names}
     for round_index in range(args.rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -172,7 +172,7 @@ def worker(args) -> None:
     for name in names:
         policy, reference, optimizer = setups[name]
         at_rest = {"policy": hf_zeropp.state_bytes(policy, optimizer), "reference": hf_zeropp.state_bytes(reference)}
-        result[name] = {"steps": records[name], "at_rest": at_rest}
+        result[name] = {"steps": records[name], "at_rest": at_rest, "peak_held": peaks[name]}
     if rank == 0:
         Path(args.result).write_text(json.dumps(result, indent=1))
     dist.barrier()
@@ -202,7 +202,7 @@ def summarise(raw: dict[str, dict], args) -> dict:
                 "intra_node_mb_per_step": statistics.median(s["intra_bytes"] for s in steps) / 1e6,
                 "policy_mb": sum(rest["policy"].values()) / 1e6,
                 "reference_mb": sum(rest["reference"].values()) / 1e6,
-                "peak_gathered_mb": max(s["peak_held"] for s in steps) / 1e6,
+                "peak_gathered_mb": record["peak_held"] / 1e6,
                 "inference": steps[-1]["implementations"],
             }
         summary["links"][link] = rows
@@ -247,7 +247,8 @@ def main() -> int:
     parser.add_argument("--out", default="out/bench_lora")
     parser.add_argument("--quick", action="store_true", help="1 warm-up step and 2 rounds")
     parser.add_argument("--links", default=",".join(LINKS))
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration (at least 1: they "
+                        "also measure the peak gathered bytes)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", choices=tuple(DTYPES), default="bf16",
                         help="base weights and compute dtype (fp32: ZeRO-3 then gathers 4 bytes per weight)")
@@ -256,6 +257,8 @@ def main() -> int:
     parser.add_argument("--prompt-length", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parse_cli(parser, CONFIGS)
+    if args.warmup < 1:
+        parser.error(f"--warmup {args.warmup}: at least 1 (the warm-up step measures the peak gathered bytes)")
     if args.worker:
         worker(args)
         return 0

@@ -194,16 +194,26 @@ def test_torch_fsdp2_internals(one_rank_group):
         with torch.no_grad():
             model(x)
         assert _compat.group_gathered_bytes(block_group) > 0  # the post-forward shard is back
-    with entry("keep_gathered_after_forward"):
+    with entry("unshard_all"):
         model.reshard()
         block.reshard()
-        with _compat.keep_gathered_after_forward(model):
+        _compat.unshard_all(model)
+        assert _compat.group_gathered_bytes(block_group) >= 4 * (24 + 6)  # gathered without a forward
+        _compat.unshard_all(model)  # already gathered: nothing happens
+    with entry("keep_all_gathered"):
+        model.reshard()
+        with torch.no_grad():
+            model(x)  # the block keeps its hpZ secondary shard: entering gathers through that shard's mesh
+        with _compat.keep_all_gathered(model):
             assert not _compat.group_reshards_after_forward(block_group)
+            assert _compat.group_gathered_bytes(block_group) >= 4 * (24 + 6)  # gathered on entry
             with torch.no_grad():
                 model(x)
             assert _compat.group_gathered_bytes(block_group) >= 4 * (24 + 6)  # kept gathered
         assert _compat.group_reshards_after_forward(block_group)  # each group's own setting is back
         assert not _compat.group_reshards_after_forward(root_group)
+        model.reshard()
+        block.reshard()
 
     with entry("apply_activation_checkpointing"):
         plain_model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))

@@ -128,9 +128,10 @@ def test_frozen_weight_traffic_stays_in_the_node_in_training_and_generation(fp32
             frozen = stats["frozen_allgather"]
             assert frozen["inter_node"] == 0 and frozen["intra_node"] > 0
             assert "hpZ copy" in " | ".join(stats["implementations"]["frozen_allgather"])
-        # generate() gathers each frozen weight once per call (generation_gather="per_call"), not once per token:
-        # wpe + 4 matrices x 2 blocks
-        assert result["generation"]["frozen_allgather"]["calls"] == 9
+        # generate() gathers the frozen weights once per call (generation_gather="per_call"), not once per token:
+        # wpe + 4 matrices x 2 blocks in one packed all-gather
+        assert result["generation"]["frozen_allgather"]["calls"] == 1
+        assert "9 weights packed" in " | ".join(result["generation"]["implementations"]["frozen_allgather"])
 
 
 def test_adapter_saves_in_peft_format_and_merges(fp32_run):

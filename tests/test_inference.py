@@ -153,8 +153,8 @@ def test_per_call_generation_gathers_once_and_frees_everything_after(runs):
 
 
 def test_frozen_int8_generation_gathers_inside_the_node_once_per_call(runs):
-    """Frozen INT8 + hpZ with LoRA: the frozen matrices are gathered (INT8, inside the node) once per call and held
-    dequantized during it; the adapters stay trainable and sharded."""
+    """Frozen INT8 + hpZ with LoRA: the frozen matrices are gathered (INT8, inside the node) once per call, all in
+    one collective, and held dequantized during it; the adapters stay trainable and sharded."""
     for rank_results in runs:
         per_call = rank_results[("zeropp-lora", "per_call", False)]
         per_token = rank_results[("zeropp-lora", "per_token", False)]
@@ -162,11 +162,63 @@ def test_frozen_int8_generation_gathers_inside_the_node_once_per_call(runs):
         one = per_call["one_forward"]["frozen_allgather"]
         for step in range(2):
             call_stats, token_stats = per_call["generations"][step]["stats"], per_token["generations"][step]["stats"]
-            assert call_stats["frozen_allgather"] == one
+            # every frozen matrix gathered once, in one packed collective per call
+            assert {**call_stats["frozen_allgather"], "calls": one["calls"]} == one and one["calls"] > 1
+            assert call_stats["frozen_allgather"]["calls"] == 1
             assert call_stats["frozen_allgather"]["inter_node"] == 0 and one["intra_node"] > 0
             assert token_stats["frozen_allgather"]["intra_node"] == NEW_TOKENS * one["intra_node"]
             assert per_call["generations"][step]["held_after"] == 0
             assert per_call["generations"][step]["peak_held"] > per_token["generations"][step]["peak_held"]
+
+
+def _uneven_run(preset: str) -> dict:
+    """Ranks that run different numbers of forwards: generation with a different length per rank (greedy, so the
+    per-call and per-token paths must agree exactly), counting ``dist.all_reduce`` calls inside generate(); and a
+    gathered_for_inference block in which rank r runs r + 1 forwards, metered after the entry."""
+    import torch.distributed as dist
+
+    import hf_zeropp
+
+    rank = dist.get_rank()
+    prompts = _prompts(rank)
+    result: dict = {}
+    for gather in ("per_call", "per_token"):
+        model = hf_zeropp.shard_model(_model(preset), {"preset": preset, "node_size": NODE,
+                                                        "generation_gather": gather})
+        all_reduce, calls = dist.all_reduce, []
+        dist.all_reduce = lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs)
+        try:
+            with torch.no_grad():
+                tokens = model.generate(input_ids=prompts, max_new_tokens=2 + 3 * rank, do_sample=False,
+                                        pad_token_id=0)
+        finally:
+            dist.all_reduce = all_reduce
+        result[gather] = {"tokens": tokens, "all_reduce_calls": len(calls)}
+    hf_zeropp.comm_stats(model, reset=True)
+    with hf_zeropp.gathered_for_inference(model), torch.no_grad():
+        entry = hf_zeropp.comm_stats(model, reset=True)["total"]
+        for _ in range(rank + 1):
+            model(input_ids=prompts)
+        result["in_block"] = hf_zeropp.comm_stats(model, reset=True)["total"]
+    result["entry"] = entry
+    return result
+
+
+@pytest.mark.parametrize("preset", ["zero3", "zeropp-lora"])
+def test_inside_the_block_ranks_may_run_different_numbers_of_forwards(preset):
+    """Everything is gathered on entry, so forwards inside the block communicate nothing and ranks need not stay in
+    step: generate() runs without synced_gpus on the per-call path (no per-token all-reduce of the 'finished' flag,
+    which crosses the nodes) and gives the per-token path's tokens (where transformers keeps the ranks in step);
+    a block in which each rank runs a different number of forwards completes (a collective inside would hang)."""
+    results = run_distributed(_uneven_run, WORLD, preset, node_size=NODE, pg_timeout=60)
+    for rank, result in enumerate(results):
+        per_call, per_token = result["per_call"], result["per_token"]
+        assert per_call["tokens"].shape[1] == _prompts(rank).shape[1] + 2 + 3 * rank
+        assert torch.equal(per_call["tokens"], per_token["tokens"]), rank
+        assert per_call["all_reduce_calls"] == 0
+        assert per_token["all_reduce_calls"] >= 2 + 3 * (WORLD - 1)  # one per forward, until the last rank is done
+        assert result["entry"]["intra_node"] > 0
+        assert result["in_block"] == {"intra_node": 0, "inter_node": 0}, result["in_block"]
 
 
 def _reference_model_run() -> dict:
