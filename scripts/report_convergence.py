@@ -100,13 +100,14 @@ def confidence_interval(values: list[float], level: float = 0.95) -> tuple[float
     return mean - half, mean + half
 
 
-def table(runs: dict[str, dict[int, dict]], baseline: str) -> str:
+def table(runs: dict[str, dict[int, dict]], baseline: str, paper: bool = True) -> str:
+    """The markdown table; ``paper``: a column with ZeRO++ Table 5's figure for each row of the paper's study."""
     if baseline not in runs:
         raise SystemExit(f"baseline run {baseline!r} not found among {sorted(runs)}")
     base = runs[baseline]
     header = ("| configuration | seeds | final validation loss | gap to baseline | 95 % CI of the gap | gap per seed "
-              "| paper (Table 5) | train time |")
-    lines = [header, "|---|---:|---:|---:|---:|---|---:|---:|"]
+              + ("| paper (Table 5) " if paper else "") + "| train time |")
+    lines = [header, "|---|---:|---:|---:|---:|---|" + ("---:|" if paper else "") + "---:|"]
     for name, by_seed in sorted(runs.items(), key=lambda item: (item[0] != baseline, item[0])):
         seeds = sorted(by_seed)
         paired = [s for s in seeds if s in base]
@@ -114,14 +115,15 @@ def table(runs: dict[str, dict[int, dict]], baseline: str) -> str:
         gap_text = _mean_spread(gaps, 2, signed=True) + " %" if gaps else "no paired baseline"
         per_seed = ", ".join(f"{gap:+.2f}" for gap in gaps) if len(gaps) > 1 else "—"
         interval = "[{:+.2f}, {:+.2f}] %".format(*confidence_interval(gaps)) if len(gaps) > 1 else "—"
-        paper = PAPER_TABLE5.get(name)
-        paper_text = f"{paper:.4f} ({(paper - PAPER_TABLE5['zero3']) / PAPER_TABLE5['zero3'] * 100:+.2f} %)" \
-            if paper else "diverged" if "nonblocked" in name else "—"
+        reported = PAPER_TABLE5.get(name)
+        paper_text = f"{reported:.4f} ({(reported - PAPER_TABLE5['zero3']) / PAPER_TABLE5['zero3'] * 100:+.2f} %)" \
+            if reported else "diverged" if "nonblocked" in name else "—"
         runtimes = [by_seed[s]["runtime"] for s in seeds if by_seed[s]["runtime"]]
         runtime = f"{statistics.fmean(runtimes):.0f} s" if runtimes else "—"
         finals = _mean_spread([by_seed[s]["final"] for s in seeds], 4)
-        lines.append(f"| {name} | {','.join(map(str, seeds))} | {finals} | {gap_text} | {interval} | {per_seed} | {paper_text} "
-                     f"| {runtime} |")
+        paper_cell = f"| {paper_text} " if paper else ""
+        lines.append(f"| {name} | {','.join(map(str, seeds))} | {finals} | {gap_text} | {interval} | {per_seed} "
+                     f"{paper_cell}| {runtime} |")
     return "\n".join(lines)
 
 
@@ -156,13 +158,15 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--baseline", default="zero3")
     parser.add_argument("--out", type=Path, default=None, help="default: <first folder>/report")
+    parser.add_argument("--paper", action=argparse.BooleanOptionalAction, default=True,
+                        help="the ZeRO++ Table 5 column (--no-paper for studies other than the GPT-350M one)")
     args = parser.parse_args()
     runs = load_runs(args.folders)
     if not runs:
         raise SystemExit(f"no metrics.jsonl with evaluations under {[str(f) for f in args.folders]}")
     out = args.out or args.folders[0] / "report"
     out.mkdir(parents=True, exist_ok=True)
-    markdown = table(runs, args.baseline)
+    markdown = table(runs, args.baseline, args.paper)
     (out / "table.md").write_text(markdown + "\n")
     plot(runs, out / "validation_loss.png")
     print(markdown)

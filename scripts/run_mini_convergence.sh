@@ -26,4 +26,6 @@ for seed in $SEEDS; do
       --seed "$seed" --data_seed "$seed" --output_dir "$run" "$@"
   done
 done
-.venv/bin/python scripts/report_convergence.py "$OUT" --baseline zero3
+# the paper's Table 5 column belongs to the GPT-350M study's rows only
+paper=$([ "$RECIPE_DIR" = recipes/gpt350m_pile/mini ] && echo --paper || echo --no-paper)
+.venv/bin/python scripts/report_convergence.py "$OUT" --baseline zero3 "$paper"

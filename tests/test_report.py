@@ -36,6 +36,12 @@ def test_report_table_and_plot(tmp_path):
     assert "| zeropp_nonblocked | 0 | 3.3000 | +65.00 % | — | — | diverged | 12 s |" in table
     png = (tmp_path / "report" / "validation_loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # another study (the second accuracy case): no Table 5 column
+    result = _report(tmp_path, "--no-paper", "--out", str(tmp_path / "other"))
+    assert result.returncode == 0, result.stderr
+    table = (tmp_path / "other" / "table.md").read_text().splitlines()
+    assert "paper" not in table[0] and table[1].count("|") == table[2].count("|") == 8
+    assert "| zeropp | 0 | 2.0400 | +2.00 % | — | — | 12 s |" in table
 
 
 def test_report_averages_seeds_and_pairs_each_gap_with_its_own_baseline(tmp_path):
