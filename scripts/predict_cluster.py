@@ -203,7 +203,8 @@ def plot(runs: dict[str, dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharex=True)
     rates = [10e6 / 8 * 10 ** (i / 20) for i in range(61)]  # bytes/s: 10 Mbit/s .. 10 Gbit/s
-    for (topology, results), color in zip(runs.items(), ("C0", "C1", "C2", "C3")):
+    for index, (topology, results) in enumerate(runs.items()):
+        color = f"C{index % 10}"  # every run gets its own colour (a fixed list of four dropped a fifth run)
         curves = speedup_curves(results, rates)
         for ax, key, base in zip(axes, ("vs FSDP2", "vs ZeRO-3"), ("FSDP2", "ZeRO-3")):
             ax.plot([r * 8 / 1e6 for r in rates], curves[key], color=color, label=f"{topology} model")
