@@ -76,6 +76,10 @@ class FrozenInt8Weight:
     def release(self) -> None:
         self._held = None
 
+    @property
+    def is_held(self) -> bool:
+        return self._held is not None
+
     def held_bytes(self) -> int:
         return sum(weight.untyped_storage().nbytes() for weight in (self._held or {}).values())
 
@@ -119,7 +123,7 @@ def hold_all(stores: list[FrozenInt8Weight]) -> None:
     collective: every rank calls it with the same stores)."""
     by_group: dict[int, list[FrozenInt8Weight]] = {}
     for store in stores:
-        if store._held is None:
+        if not store.is_held:
             by_group.setdefault(id(store.group), []).append(store)
     for group_stores in by_group.values():
         parts = _gather_packed(group_stores)
