@@ -46,6 +46,28 @@ def test_rlhf_recipes_hold_valid_configs_and_the_full_size_one_gathers_once_per_
         ZeroPPConfig(generation_gather="per_layer")
 
 
+def test_every_training_recipe_loads_to_a_valid_config_and_its_own_output_folder():
+    """Each Table 5 / accuracy-study recipe (``base:`` chains resolved by the runner) holds a valid ZeroPPConfig,
+    and no two recipes of a study write to the same output folder (a copied recipe that kept its base's folder
+    would overwrite that run)."""
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "scripts"))
+    from train_gpt import load_recipe
+
+    for folder in ("gpt350m_pile", "gpt350m_pile/mini", "llama_python_docs"):
+        paths = sorted((root / "recipes" / folder).glob("*.yaml"))
+        assert len(paths) >= 3, folder
+        outputs = {}
+        for path in paths:
+            training = load_recipe(path)["training"]
+            ZeroPPConfig.coerce(training["zeropp"])
+            outputs.setdefault(training["output_dir"], []).append(path.name)
+            assert Path(training["output_dir"]).name == path.stem, path
+        assert all(len(names) == 1 for names in outputs.values()), outputs
+
+
 def test_from_file_yaml_json_and_nested(tmp_path):
     (tmp_path / "a.yaml").write_text("stage: 3\nquantized_weights: true\nblock_size: 128\n")
     (tmp_path / "b.json").write_text(json.dumps({"stage": 2, "mixed_precision": "bf16"}))
