@@ -39,7 +39,7 @@ from hf_zeropp.testing.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from train_gpt import build_datasets, load_recipe  # noqa: E402
+from train_gpt import build_datasets, build_model, load_recipe  # noqa: E402
 
 CLASSES = ("matrices", "embeddings", "1-D", "all")
 
@@ -247,7 +247,7 @@ def measured_steps(starts: list[int], window: int) -> dict[int, int]:
 
 
 def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int, workdir: str) -> dict:
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+    from transformers import TrainerCallback
 
     recipe = load_recipe(Path(recipe_path))
     world = dist.get_world_size()
@@ -258,8 +258,7 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
                 "eval_strategy": "no", "save_strategy": "no", "logging_steps": 10_000, "report_to": "none",
                 "dataloader_num_workers": 0}
     torch.manual_seed(training["seed"])
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=int(recipe["data"]["seq_len"]),
-                                       bos_token_id=0, eos_token_id=0, **recipe["model"]))
+    model = build_model(recipe["model"], vocab, int(recipe["data"]["seq_len"]))
     steps = measured_steps(starts, window)
     last = max(steps)
     per_step: dict[int, dict[str, list]] = {}
@@ -295,6 +294,7 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
     probe = measure.probe
     measured = len(per_step)
     return {
+        "model": f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters",
         "steps": per_step,
         "windows": windows,
         "gradient_inter_node_mb": [m.stats()["total"]["inter_node"] / measured / 1e6 for m in probe.gradient_meters],
@@ -324,7 +324,8 @@ def summarize(result: dict) -> dict:
     weights = table("weights", list(WEIGHT_CANDIDATES))
     for c, row in enumerate(weights):
         row["inter_node_mb_per_step"] = result["weight_inter_node_mb"][c]
-    return {"gradients": gradients, "weights": weights, "measured_steps": sorted(int(s) for s in result["steps"])}
+    return {"model": result["model"], "gradients": gradients, "weights": weights,
+            "measured_steps": sorted(int(s) for s in result["steps"])}
 
 
 def _cell(entry: dict) -> str:
@@ -335,6 +336,7 @@ def markdown(topology: str, summary: dict) -> str:
     steps = summary["measured_steps"]
     reference = summary["gradients"][0]["all"]["relative_error"]
     lines = [f"### {topology}: gradients (qgZ result vs the exact reduce-scatter), {len(steps)} steps {steps}", "",
+             f"model: {summary['model']}", "",
              "relative L2 error (cosine) per parameter class, mean over the measured steps; window sum = error of "
              "the gradients summed over each window", "",
              "| configuration | cross-node MB/step (rank 0) | matrices | embeddings | 1-D | all | "

@@ -24,6 +24,7 @@ def fidelity(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("fidelity")
     assert fidelity.main(["--topologies", "2x2", "--steps", "1,3", "--window", "2", "--out", str(out)]) == 0
     summary = json.loads((out / "results.json").read_text())["2x2"]
+    assert summary["model"].startswith("GPT2LMHeadModel, ")
     assert "| Hadamard 64 |" in (out / "results.md").read_text()
     return summary
 
@@ -67,3 +68,16 @@ def test_weight_fidelity_of_qwz(fidelity):
     assert quantized_1d["matrices"]["relative_error"] > 1.2 * plain["matrices"]["relative_error"]
     gradients = _rows(fidelity, "gradients")["ZeRO++ qgZ (int4/int4, block 256)"]
     assert plain["all"]["relative_error"] < gradients["all"]["relative_error"] / 10
+
+
+def test_the_recipe_decides_the_model_family(tmp_path):
+    """The second accuracy case's Llama recipe is measured on a Llama, not on a GPT-2 built from its keywords."""
+    import fidelity
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes/llama_python_docs/zero3.yaml"
+    assert fidelity.main(["--recipe", str(recipe), "--topologies", "2x2", "--steps", "0", "--window", "1",
+                          "--global-batch", "16", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "results.json").read_text())["2x2"]
+    assert summary["model"].startswith("LlamaForCausalLM, ")
+    assert summary["measured_steps"] == [0]
+    assert "model: LlamaForCausalLM" in (tmp_path / "results.md").read_text()
