@@ -12,7 +12,12 @@ keeps the exact results, so every candidate is measured on the same gradients an
 Per parameter class (matrices, embeddings, 1-D) the script reports the relative L2 error ||q - x|| / ||x|| and the
 cosine of each candidate's result q against the exact one x, averaged over the measured steps, and for gradients
 also the relative error of their sum over each window, ||sum(q - x)|| / ||sum(x)||: what a momentum-like optimizer
-state accumulates, where error feedback and stochastic rounding act. Deterministic (seeded); minutes on 2 cores.
+state accumulates, where error feedback and stochastic rounding act.
+
+Adam does not see the gradient as L2 does: it divides each element by the root of its own second moment, so an error
+of the same L2 size harms far more when it lands on elements whose gradients are small. The "Adam-scaled" columns
+weight every element by the baseline optimizer's 1 / (sqrt(v_hat) + eps) at that step before taking the same
+ratios: the error of the update direction rather than of the gradient. Deterministic (seeded); minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -96,6 +101,24 @@ class Sums:
         return torch.stack((relative, cosine), dim=-1)
 
 
+def adam_scale(optimizer: Any, spans: list[tuple[nn.Parameter, int, int]], rank_numel: int) -> torch.Tensor | None:
+    """1 / (sqrt(v_hat) + eps) of Adam's bias-corrected second moment, laid out like a unit's reduce-scatter output
+    (0 on FSDP's padding); None before the optimizer's first step."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
+    groups = {id(p): group for group in inner.param_groups for p in group["params"]}
+    scale = torch.zeros(rank_numel, dtype=torch.float64)
+    for param, start, _ in spans:
+        state = inner.state.get(param, {})
+        if "exp_avg_sq" not in state:
+            return None
+        group = groups[id(param)]
+        second = state["exp_avg_sq"]
+        second = (second.to_local() if hasattr(second, "to_local") else second).double().flatten()
+        corrected = second / (1 - group["betas"][1] ** float(state["step"]))
+        scale[start:start + second.numel()] = 1 / (corrected.sqrt() + group["eps"])
+    return scale
+
+
 class ParameterClasses:
     """Which class each parameter of the model is, and where each class lies in a unit's part of a collective."""
 
@@ -125,11 +148,15 @@ class Probe:
         self.active = False
         self.classes = ParameterClasses(model)
         self.gradient_sums = Sums(len(GRADIENT_CANDIDATES))
+        self.scaled_gradient_sums = Sums(len(GRADIENT_CANDIDATES))  # weighted by adam_scale
+        self.scaled = False  # whether this step had Adam state to weight with
+        self.window_scaled = True  # whether every step of this window had
+        self.optimizer: Any = None
         self.weight_sums = Sums(len(WEIGHT_CANDIDATES))
         topology = zeropp_state(model).topology
         self.gradient_meters = [CommMeter(topology) for _ in GRADIENT_CANDIDATES]
         self.weight_meters = [CommMeter(topology) for _ in WEIGHT_CANDIDATES]
-        # per gradient candidate and unit: running sums of (q - x) and x over the window
+        # per gradient candidate and unit: running sums of (q - x) and x over the window, plain and Adam-scaled
         self.window: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.reduce_scatters: list[GradientProbe] = []
 
@@ -141,18 +168,20 @@ class Probe:
 
     def start_window(self) -> None:
         self.window.clear()
+        self.window_scaled = True
         for probe in self.reduce_scatters:
             for candidate in probe.candidates:
                 if candidate.feedback is not None:
                     candidate.feedback.reset()  # the previous window's residual belongs to other gradients
 
     def window_error(self) -> torch.Tensor:
-        """||sum over the window of (q - x)|| / ||sum of x|| per gradient candidate and class, over all ranks."""
-        totals = torch.zeros(len(GRADIENT_CANDIDATES), len(CLASSES), 2, dtype=torch.float64)
-        for (candidate, unit), (difference, exact, positions) in self.window.items():
+        """||sum over the window of (q - x)|| / ||sum of x|| per gradient candidate and class, over all ranks;
+        [..., 0] plain, [..., 1] Adam-scaled."""
+        totals = torch.zeros(len(GRADIENT_CANDIDATES), len(CLASSES), 2, 2, dtype=torch.float64)
+        for (candidate, unit), (sums, positions) in self.window.items():
             for cls, where in enumerate(positions):
                 if where.numel():
-                    row = torch.stack((difference[where].pow(2).sum(), exact[where].pow(2).sum()))
+                    row = sums[:, where].pow(2).sum(-1).view(2, 2)
                     totals[candidate, cls] += row
                     totals[candidate, -1] += row
         dist.all_reduce(totals)
@@ -181,14 +210,22 @@ class GradientProbe(ReduceScatter):
         work = self.exact(output_tensor, input_tensor, group, op, async_op=async_op)
         if work is not None:
             work.wait()
-        positions = self.probe.classes.positions(self.unit, True, output_tensor.numel(), dist.get_world_size(group))
+        numel, group_size = output_tensor.numel(), dist.get_world_size(group)
+        positions = self.probe.classes.positions(self.unit, True, numel, group_size)
+        scale = adam_scale(self.probe.optimizer, parameter_spans(self.unit, True, numel, group_size), numel)
+        self.probe.scaled = scale is not None
         exact = output_tensor.double()
         for c, result in enumerate(results):
             self.probe.classify(self.probe.gradient_sums, c, positions, result, output_tensor)
-            running = self.probe.window.setdefault((c, self.index), [torch.zeros_like(exact), torch.zeros_like(exact),
+            difference = result.double() - exact
+            # rows: plain (q - x), plain x, Adam-scaled (q - x), Adam-scaled x
+            stacked = torch.stack((difference, exact) if scale is None else
+                                  (difference, exact, difference * scale, exact * scale))
+            if scale is not None:
+                self.probe.classify(self.probe.scaled_gradient_sums, c, positions, result * scale, exact * scale)
+            running = self.probe.window.setdefault((c, self.index), [torch.zeros(4, numel, dtype=torch.float64),
                                                                       positions])
-            running[0] += result.double() - exact
-            running[1] += exact
+            running[0][:len(stacked)] += stacked
         return work
 
 
@@ -270,6 +307,7 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             if self.probe is None:
                 self.probe = install(model)
+            self.probe.optimizer = kwargs["optimizer"]
             step = state.global_step
             if step in steps and (step == 0 or steps.get(step - 1) != steps[step]):
                 self.probe.start_window()
@@ -280,10 +318,13 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
             if not self.probe.active:
                 return
             self.probe.active = False
+            scaled = self.probe.scaled_gradient_sums.reduce_and_reset().tolist()
+            self.probe.window_scaled &= self.probe.scaled
             per_step[step] = {"gradients": self.probe.gradient_sums.reduce_and_reset().tolist(),
-                              "weights": self.probe.weight_sums.reduce_and_reset().tolist()}
+                              "weights": self.probe.weight_sums.reduce_and_reset().tolist(),
+                              "adam_scaled_gradients": scaled if self.probe.scaled else None}
             if steps.get(step + 1) != steps[step]:
-                windows.append(self.probe.window_error().tolist())
+                windows.append({"errors": self.probe.window_error().tolist(), "scaled": self.probe.window_scaled})
             if step >= last:
                 control.should_training_stop = True
 
@@ -304,8 +345,11 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
 
 def summarize(result: dict) -> dict:
     """Means (and min/max) over the measured steps of each metric, per candidate and class."""
-    def table(kind: str, names: list[str]) -> list[dict]:
-        stacked = torch.tensor([step[kind] for step in result["steps"].values()], dtype=torch.float64)
+    def table(kind: str, names: list[str]) -> list[dict] | None:
+        measured = [step[kind] for step in result["steps"].values() if step[kind] is not None]
+        if not measured:
+            return None
+        stacked = torch.tensor(measured, dtype=torch.float64)
         rows = []
         for c, name in enumerate(names):
             row = {"name": name}
@@ -317,10 +361,16 @@ def summarize(result: dict) -> dict:
         return rows
 
     gradients = table("gradients", list(GRADIENT_CANDIDATES))
-    windows = torch.tensor(result["windows"], dtype=torch.float64)
+    scaled = table("adam_scaled_gradients", list(GRADIENT_CANDIDATES))
+    windows = torch.tensor([w["errors"] for w in result["windows"]], dtype=torch.float64)
+    scaled_windows = windows[[w["scaled"] for w in result["windows"]]]
     for c, row in enumerate(gradients):
-        row["window_sum_error"] = windows[:, c, -1].mean().item()
+        row["window_sum_error"] = windows[:, c, -1, 0].mean().item()
         row["inter_node_mb_per_step"] = result["gradient_inter_node_mb"][c]
+        if scaled is not None:
+            row["adam_scaled"] = {cls: scaled[c][cls] for cls in CLASSES}
+            row["adam_scaled_window_sum_error"] = (scaled_windows[:, c, -1, 1].mean().item()
+                                                   if len(scaled_windows) else None)
     weights = table("weights", list(WEIGHT_CANDIDATES))
     for c, row in enumerate(weights):
         row["inter_node_mb_per_step"] = result["weight_inter_node_mb"][c]
@@ -346,6 +396,17 @@ def markdown(topology: str, summary: dict) -> str:
                      + " | ".join(_cell(row[cls]) for cls in CLASSES)
                      + f" | {reference / max(row['all']['relative_error'], 1e-30):.2f}x | "
                        f"{row['window_sum_error']:.4f} |")
+    if "adam_scaled" in summary["gradients"][0]:
+        reference = summary["gradients"][0]["adam_scaled"]["all"]["relative_error"]
+        lines += ["", f"### {topology}: gradients scaled as Adam scales them (each element times the baseline's "
+                  "1 / (sqrt(v_hat) + eps)): the error of the update direction", "",
+                  "| configuration | matrices | embeddings | 1-D | all | ZeRO++'s error / this | window sum |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for row in summary["gradients"]:
+            window = row["adam_scaled_window_sum_error"]
+            lines.append(f"| {row['name']} | " + " | ".join(_cell(row["adam_scaled"][cls]) for cls in CLASSES)
+                         + f" | {reference / max(row['adam_scaled']['all']['relative_error'], 1e-30):.2f}x | "
+                         + ("—" if window is None else f"{window:.4f}") + " |")
     lines += ["", f"### {topology}: weights (qwZ forward gather vs the exact one)", "",
               "| configuration | cross-node MB/step (rank 0) | matrices | embeddings | 1-D | all |",
               "|---|---:|---:|---:|---:|---:|"]

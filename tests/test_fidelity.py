@@ -3,7 +3,8 @@
 What must hold whatever the gradients are: the 1-D parameters sent in full precision arrive exactly (error 0,
 cosine 1), while quantized with the matrices they lose precision or cost the matrices theirs; the 8-bit intra-node
 hop sends the same cross-node bytes yet cuts qgZ's error; error feedback's errors cancel over a window more than
-plain rounding's; INT8 weights are an order of magnitude closer than INT4 gradients."""
+plain rounding's; INT8 weights are an order of magnitude closer than INT4 gradients; the Adam-scaled measure exists
+for every step that follows an optimizer step and is computed with Adam's own second moment."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def fidelity(tmp_path_factory) -> dict:
     summary = json.loads((out / "results.json").read_text())["2x2"]
     assert summary["model"].startswith("GPT2LMHeadModel, ")
     assert "| Hadamard 64 |" in (out / "results.md").read_text()
+    assert "gradients scaled as Adam scales them" in (out / "results.md").read_text()
     return summary
 
 
@@ -57,6 +59,39 @@ def test_gradient_fidelity_separates_the_qgz_options(fidelity):
         assert carried(rows[name]) < 0.85 * carried(plain), (name, carried(rows[name]), carried(plain))
 
 
+def test_adam_scaled_gradient_fidelity(fidelity):
+    """Every measured step (1-4) follows an optimizer step, so each has the update-direction measure; full-precision
+    1-D slices stay exact under any weighting, and weighting changes the error (it is not the L2 ratio again)."""
+    rows = _rows(fidelity, "gradients")
+    plain = rows["ZeRO++ qgZ (int4/int4, block 256)"]
+    for name, row in rows.items():
+        scaled = row["adam_scaled"]
+        assert 0 < scaled["all"]["relative_error"] < 5 and -1 <= scaled["all"]["cosine"] <= 1, name
+        assert row["adam_scaled_window_sum_error"] > 0, name
+        if name != "1-D parameters quantized too":
+            assert scaled["1-D"]["relative_error"] == 0.0, name
+    assert plain["adam_scaled"]["all"]["relative_error"] != pytest.approx(plain["all"]["relative_error"], rel=1e-3)
+
+
+def test_adam_scale_is_one_over_the_root_of_adams_second_moment():
+    """After one AdamW step the bias-corrected second moment is g^2 exactly: the scale is 1 / (|g| + eps), laid out
+    at the parameter's span, zero on the padding after it."""
+    import torch
+
+    import fidelity
+
+    param = torch.nn.Parameter(torch.zeros(2, 3))
+    optimizer = torch.optim.AdamW([param], lr=0.1, eps=1e-3)
+    assert fidelity.adam_scale(optimizer, [(param, 2, 8)], 10) is None  # no state before the first step
+    gradient = torch.tensor([[0.5, -2.0, 1e-4], [3.0, 0.0, -0.25]])
+    param.grad = gradient.clone()
+    optimizer.step()
+    scale = fidelity.adam_scale(optimizer, [(param, 2, 8)], 10)
+    expected = torch.zeros(10, dtype=torch.float64)
+    expected[2:8] = 1 / (gradient.double().abs().flatten() + 1e-3)
+    torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
+
+
 def test_weight_fidelity_of_qwz(fidelity):
     rows = _rows(fidelity, "weights")
     plain = rows["ZeRO++ qwZ (int8, block 256, 1-D in full precision)"]
@@ -80,4 +115,5 @@ def test_the_recipe_decides_the_model_family(tmp_path):
     summary = json.loads((tmp_path / "results.json").read_text())["2x2"]
     assert summary["model"].startswith("LlamaForCausalLM, ")
     assert summary["measured_steps"] == [0]
+    assert "adam_scaled" not in summary["gradients"][0]  # step 0 comes before Adam has any state
     assert "model: LlamaForCausalLM" in (tmp_path / "results.md").read_text()
