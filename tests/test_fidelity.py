@@ -19,11 +19,17 @@ sys.path.insert(0, str(SCRIPTS))
 
 
 @pytest.fixture(scope="module")
-def fidelity(tmp_path_factory) -> dict:
+def fidelity_out(tmp_path_factory) -> Path:
     import fidelity
 
     out = tmp_path_factory.mktemp("fidelity")
     assert fidelity.main(["--topologies", "2x2", "--steps", "1,3", "--window", "2", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def fidelity(fidelity_out: Path) -> dict:
+    out = fidelity_out
     summary = json.loads((out / "results.json").read_text())["2x2"]
     assert summary["model"].startswith("GPT2LMHeadModel, ")
     assert "| Hadamard 64 |" in (out / "results.md").read_text()
@@ -117,3 +123,14 @@ def test_the_recipe_decides_the_model_family(tmp_path):
     assert summary["measured_steps"] == [0]
     assert "adam_scaled" not in summary["gradients"][0]  # step 0 comes before Adam has any state
     assert "model: LlamaForCausalLM" in (tmp_path / "results.md").read_text()
+
+
+def test_the_quantizer_floor_reads_the_fidelity_report(fidelity_out, fidelity):
+    """scripts/quantizer_floor.py compares its floors with the numbers fidelity.py wrote, not with other rows."""
+    import quantizer_floor
+
+    rows = _rows(fidelity, "gradients")
+    [(heading, plain, best)] = quantizer_floor.measured_errors(fidelity_out / "results.md")
+    assert heading.startswith("2 nodes x 2 ranks: gradients")
+    assert plain == pytest.approx(rows[quantizer_floor.PLAIN_ROW]["all"]["relative_error"], abs=5e-5)
+    assert best == pytest.approx(rows[quantizer_floor.BEST_ROW]["all"]["relative_error"], abs=5e-5)
