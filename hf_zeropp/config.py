@@ -149,6 +149,9 @@ class ZeroPPConfig:
                   "(1 - decay) x this step's dropped error (0 = plain error feedback; in [0, 1))")
     gradient_error_feedback_reset: int = _option(
         0, QGZ, "error feedback: drop every residual after this many reductions of its unit (0 = never)")
+    gradient_bit_allocation: bool = _option(
+        False, QGZ, "qgZ: the inter-node hop gives each block a width from 0 to 8 bits by its scale (more bits to "
+                    "larger blocks), averaging `gradient_bits` in the same bytes; plain torch, no compiled kernel")
     gradient_full_precision_1d: bool = _option(
         True, QGZ, "qgZ: 1-D parameters (biases, norm gains) reduce-scattered in the reduce dtype, as DeepSpeed's "
                    "qgZ does; False quantizes them with the matrices")

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from . import kernels
 from ._compat import ReduceScatter
 from .comm_meter import CommMeter, MeteredReduceScatter, _PlainAlloc, check_sum, nbytes
+from .kernels.allocation import dequantize_allocated, quantize_allocated
+from .kernels.reference import hadamard_rows
 from .layout import VectorSlices
 from .config import ZeroPPConfig
 from .topology import Topology
@@ -38,28 +40,68 @@ class BlockQuantizedPayload:
     """What qgZ ships: block-quantized codes plus one fp32 scale per block (the kernels in hf_zeropp.kernels).
 
     With ``hadamard`` the rows are rotated before the first quantization and rotated back only after the last
-    reduction: the middle reduction sums rotated rows, which is the rotated sum."""
+    reduction: the middle reduction sums rotated rows, which is the rotated sum. With ``allocate_bits`` the hop that
+    crosses nodes uses per-block widths chosen from the block scales at the same bytes
+    (:mod:`hf_zeropp.kernels.allocation`); the intra-node hop keeps the fixed format and its fused kernels."""
 
     def __init__(self, block_size: int, stochastic: bool, hadamard: int = 0,
-                 backend: kernels.Backend | None = None) -> None:
+                 backend: kernels.Backend | None = None, allocate_bits: bool = False) -> None:
         self.block_size = block_size
         self.stochastic = stochastic
         self.hadamard = hadamard
         self.backend = backend
+        self.allocate_bits = allocate_bits
 
     def swizzle(self, flat, nodes, node_size, stages, bits, seed):
+        if self.allocate_bits and node_size == 1 and nodes > 1:  # one rank per node: the first hop crosses nodes
+            order = kernels.swizzle_source_slices(nodes, node_size, stages).to(flat.device)
+            rows = flat.float().view(nodes * stages, -1)[order]
+            return self.quantize_inter(hadamard_rows(rows, self.hadamard), bits, seed)
         return kernels.swizzle_quantize(flat, nodes, node_size, stages, bits, self.block_size,
                                         stochastic=self.stochastic, seed=seed, hadamard=self.hadamard,
                                         backend=self.backend)
 
+    def quantize_inter(self, rows, bits, seed) -> kernels.Quantized:
+        """The quantizer of the hop that crosses nodes, on fp32 rows (rotated when ``hadamard`` is on)."""
+        if self.allocate_bits:
+            return kernels.Quantized(*quantize_allocated(rows, bits, self.block_size, stochastic=self.stochastic,
+                                                         seed=seed))
+        return kernels.quantize(rows, bits, self.block_size, stochastic=self.stochastic, seed=seed,
+                                backend=self.backend)
+
+    def dequantize_inter(self, codes, scales, bits, length) -> torch.Tensor:
+        """Inverse of :meth:`quantize_inter`, still in the rotated domain."""
+        if self.allocate_bits:
+            return dequantize_allocated(codes, scales, bits=bits, block_size=self.block_size, length=length)
+        return kernels.dequantize(codes, scales, bits=bits, block_size=self.block_size, length=length,
+                                  backend=self.backend)
+
     def reduce_requantize(self, payload, scales, in_bits, out_bits, length, seed):
+        if self.allocate_bits:
+            partial_sums = kernels.dequant_reduce(payload, scales, bits=in_bits, block_size=self.block_size,
+                                                  length=length, backend=self.backend)
+            return self.quantize_inter(partial_sums, out_bits, seed)
         return kernels.dequant_reduce_quant(payload, scales, in_bits=in_bits, out_bits=out_bits,
                                             block_size=self.block_size, length=length, stochastic=self.stochastic,
                                             seed=seed, backend=self.backend)
 
-    def reduce(self, payload, scales, bits, length, out) -> None:
+    def reduce(self, payload, scales, bits, length, out, crossed_nodes: bool) -> None:
+        if self.allocate_bits and crossed_nodes:
+            total = _sum_in_order(self.dequantize_inter(payload, scales, bits, length))
+            out.copy_(hadamard_rows(total, self.hadamard))
+            return
         kernels.dequant_reduce(payload, scales, bits=bits, block_size=self.block_size, length=length,
                                dtype=out.dtype, out=out, hadamard=self.hadamard, backend=self.backend)
+
+    def restore(self, payload, scales, bits, length, crossed_nodes: bool) -> torch.Tensor:
+        """One hop's rows back in fp32 and unrotated (to measure that hop's error)."""
+        if self.allocate_bits and crossed_nodes:
+            return hadamard_rows(self.dequantize_inter(payload, scales, bits, length), self.hadamard)
+        return kernels.dequantize(payload, scales, bits=bits, block_size=self.block_size, length=length,
+                                  hadamard=self.hadamard, backend=self.backend)
+
+    def describe(self) -> str:
+        return ", per-block bit widths on the inter-node hop (plain torch)" if self.allocate_bits else ""
 
 
 class ErrorFeedback:
@@ -78,11 +120,10 @@ class ErrorFeedback:
     long as qgZ is on.
     """
 
-    def __init__(self, block_size: int, stochastic: bool, backend: kernels.Backend | None = None,
-                 decay: float = 0.0, reset_every: int = 0) -> None:
-        self.block_size = block_size
-        self.stochastic = stochastic
-        self.backend = backend
+    def __init__(self, payload: BlockQuantizedPayload, decay: float = 0.0, reset_every: int = 0) -> None:
+        self.payload = payload
+        self.block_size = payload.block_size
+        self.backend = payload.backend
         self.decay = decay
         self.reset_every = reset_every
         self.residuals: dict[int, kernels.Quantized] = {}
@@ -105,10 +146,8 @@ class ErrorFeedback:
             previous = kernels.dequantize(*residual, bits=8, block_size=self.block_size, length=length,
                                           backend=backend)
             partial_sums += previous
-        sent = kernels.quantize(partial_sums, out_bits, self.block_size, stochastic=self.stochastic, seed=seed,
-                                backend=backend)
-        dropped = partial_sums - kernels.dequantize(*sent, bits=out_bits, block_size=self.block_size, length=length,
-                                                    backend=backend)
+        sent = self.payload.quantize_inter(partial_sums, out_bits, seed)
+        dropped = partial_sums - self.payload.dequantize_inter(*sent, out_bits, length)
         if self.decay and previous is not None:
             dropped = previous.mul_(self.decay).add_(dropped, alpha=1.0 - self.decay)
         self.residuals[stage] = kernels.quantize(dropped, 8, self.block_size, backend=backend)
@@ -147,7 +186,7 @@ class FullPrecisionPayload:
         total = _sum_in_order(payload)
         return total, total.new_empty(total.shape[0], 0)
 
-    def reduce(self, payload, scales, bits, length, out) -> None:
+    def reduce(self, payload, scales, bits, length, out, crossed_nodes: bool) -> None:
         out.copy_(_sum_in_order(payload))
 
 
@@ -165,7 +204,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
     def __init__(self, meter: CommMeter, topology: Topology, intra_bits: int, inter_bits: int, block_size: int,
                  stages: int, stochastic: bool, seed: int, enabled: bool = True, hadamard: int = 0,
                  error_feedback: bool = False, error_feedback_decay: float = 0.0, error_feedback_reset: int = 0,
-                 vector_slices: VectorSlices | None = None,
+                 allocate_bits: bool = False, vector_slices: VectorSlices | None = None,
                  payload: BlockQuantizedPayload | FullPrecisionPayload | None = None,
                  backend: kernels.Backend | None = None) -> None:
         self.meter = meter
@@ -179,8 +218,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.enabled = enabled  # schedules switch qgZ off and on between steps
         self.hadamard = hadamard
         self.backend = backend
-        self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard, backend)
-        self.feedback = (ErrorFeedback(block_size, stochastic, backend, error_feedback_decay, error_feedback_reset)
+        self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard, backend, allocate_bits)
+        self.feedback = (ErrorFeedback(self.payload, error_feedback_decay, error_feedback_reset)
                          if error_feedback else None)
         self.vector_slices = vector_slices
         self.calls = 0  # stochastic-rounding seeds derive from it (see _seed)
@@ -219,7 +258,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         first_bits = self.intra_bits if node_size > 1 else self.inter_bits
         payload, scales = self.payload.swizzle(chunks.reshape(-1), nodes, node_size, stages, first_bits, seed)
         if self.meter.track_errors and isinstance(self.payload, BlockQuantizedPayload):
-            self._record_error(chunks, payload, scales, first_bits, slice_len)
+            self._record_error(chunks, payload, scales, first_bits, slice_len,
+                               crossed_nodes=node_size == 1 and nodes > 1)
         rows_per_stage = node_size * nodes
         payload = payload.view(stages, rows_per_stage, payload.shape[-1])
         scales = scales.view(stages, rows_per_stage, scales.shape[-1])
@@ -253,7 +293,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
             final_bits = self.inter_bits
         for s, arrival in enumerate(final):
             got, got_scales = arrival()
-            self.payload.reduce(got, got_scales, final_bits, slice_len, result[s:s + 1])
+            self.payload.reduce(got, got_scales, final_bits, slice_len, result[s:s + 1], crossed_nodes=nodes > 1)
         if not exact_fit:
             output_tensor.copy_(result.reshape(-1)[:shard_numel])
         if exact is not None:
@@ -283,13 +323,12 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         return positions, reduced, work
 
     def _record_error(self, chunks: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
-                      slice_len: int) -> None:
+                      slice_len: int, crossed_nodes: bool) -> None:
         """Error of this rank's first quantization (hop 1), measured against its reordered input rows."""
         topo = self.topology
         source = kernels.swizzle_source_slices(topo.nodes, topo.node_size, self.stages).to(chunks.device)
         rows = chunks.reshape(-1, slice_len)[source]
-        restored = kernels.dequantize(payload, scales, bits=bits, block_size=self.block_size, length=slice_len,
-                                      hadamard=self.hadamard, backend=self.backend)
+        restored = self.payload.restore(payload, scales, bits, slice_len, crossed_nodes)
         self.meter.record_error("qgz_intra" if topo.node_size > 1 else "qgz_inter", rows, restored)
 
     def _seed(self) -> int:
@@ -337,6 +376,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
                      if isinstance(self.payload, BlockQuantizedPayload) else "fp32 (quantization bypassed)")
         return (f"qgZ {hops} all-to-all {precision}, {self.stages} stage(s), {topo.nodes}x{topo.node_size}"
                 + (f", Hadamard {self.hadamard}" if self.hadamard else "")
+                + (self.payload.describe() if isinstance(self.payload, BlockQuantizedPayload) else "")
                 + (self.feedback.describe() if self.feedback is not None else "")
                 + (", 1-D parameters in full precision" if self.vector_slices is not None else "")
                 + (", stochastic rounding" if self.stochastic else "")
@@ -366,6 +406,7 @@ def make_reduce_scatter(config: ZeroPPConfig, topology: Topology, meter: CommMet
         error_feedback=config.gradient_error_feedback,
         error_feedback_decay=config.gradient_error_feedback_decay,
         error_feedback_reset=config.gradient_error_feedback_reset,
+        allocate_bits=config.gradient_bit_allocation,
         vector_slices=VectorSlices(module, trainable_only=True) if config.gradient_full_precision_1d else None,
         backend=config.kernel_backend,
     )

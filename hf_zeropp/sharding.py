@@ -201,6 +201,13 @@ def _report_techniques_that_cannot_apply(state: ZeroPPState) -> None:
     if config.stage == 3 and config.hpz_partition_size != 1 and not state.hpz_enabled:
         reasons["hpz"] = (f"hpZ's secondary shard would span the whole world: {where}" if topology.nodes == 1
                           else "hpz_partition_size resolves to 1 rank per group")
+    if config.quantized_gradients and topology.nodes == 1:
+        for option in ("gradient_bit_allocation", "gradient_error_feedback"):
+            if getattr(config, option):
+                reasons[option] = f"it acts on qgZ's inter-node hop, and {where}"
+    elif config.quantized_gradients and config.gradient_error_feedback and topology.node_size == 1:
+        reasons["gradient_error_feedback"] = ("it compensates the requantization between qgZ's two hops, and with one "
+                                              "rank per node there is a single hop")
     for technique, reason in reasons.items():
         state.meter.conditions[technique] = f"not applied: {reason}"
         if topology.rank == 0:

@@ -51,6 +51,9 @@ QGZ_OPTION_CONFIGS = {
     "+ error feedback": {**ZEROPP, "gradient_error_feedback": True},
     "+ Hadamard + SR + 8-bit intra": {**ZEROPP, "gradient_hadamard": 64, "stochastic_rounding": True,
                                       "gradient_intra_bits": 8},
+    "+ Hadamard + 8-bit intra (zeropp-accurate)": {**ZEROPP, "gradient_hadamard": 64, "gradient_intra_bits": 8},
+    "+ Hadamard + 8-bit intra + bit allocation": {**ZEROPP, "gradient_hadamard": 64, "gradient_intra_bits": 8,
+                                                  "gradient_bit_allocation": True},
 }
 COLUMNS = {"forward all-gather": ("fwd_allgather",), "backward all-gather": ("bwd_allgather",),
            "gradient reduction": ("grad_reduce_scatter", "qgz_1d_full_precision", "qgz_intra", "qgz_inter")}
@@ -115,7 +118,8 @@ def _measure_options(configs: dict[str, dict], steps: int) -> dict:
         stats = hf_zeropp.comm_stats(model)["total"]
         residual = sum(codes.numel() + 4 * scales.numel()
                        for reduce_scatter in model._zeropp.reduce_scatters
-                       for codes, scales in (reduce_scatter.state_dict()["error_feedback"] or {}).values())
+                       for codes, scales in ((reduce_scatter.state_dict()["error_feedback"] or {})
+                                             .get("residuals", {}).values()))
         out[name] = {"step_s": sorted(times)[len(times) // 2], "intra": stats["intra_node"] / steps,
                      "inter": stats["inter_node"] / steps, "residual_bytes": residual,
                      "params": sum(p.numel() for p in model.parameters())}

@@ -67,6 +67,12 @@ GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
                                                      "gradient_error_feedback_decay": 0.5},
     "Hadamard 64 + SR + 8-bit intra": {"gradient_hadamard": 64, "stochastic_rounding": True,
                                        "gradient_intra_bits": 8},
+    "bit allocation (inter-node hop)": {"gradient_bit_allocation": True},
+    "Hadamard 64 + 8-bit intra + bit allocation": {"gradient_hadamard": 64, "gradient_intra_bits": 8,
+                                                   "gradient_bit_allocation": True},
+    "Hadamard 64 + 8-bit intra + bit allocation + LoCo (decay 0.5)": {
+        "gradient_hadamard": 64, "gradient_intra_bits": 8, "gradient_bit_allocation": True,
+        "gradient_error_feedback": True, "gradient_error_feedback_decay": 0.5},
 }
 WEIGHT_CANDIDATES: dict[str, dict[str, Any]] = {
     "ZeRO++ qwZ (int8, block 256, 1-D in full precision)": {},

@@ -17,6 +17,11 @@ theory gives it and with hf_zeropp's own reference quantizer where the format is
 With ``--fidelity`` each gradient table of those reports gets a column: plain ZeRO++'s measured error over the error
 Hadamard 64 + 8-bit intra would leave if its inter-node hop used that row's quantizer — the most any quantizer of
 the kind could gain per step over plain ZeRO++ at the same cross-node bytes.
+
+The model is one stationary Gaussian source: every block alike, each given the same bits. The blocks of a real
+gradient row are not alike — their scales spread over orders of magnitude — and a code that gives each block its
+own width from the scales it already sends (``gradient_bit_allocation``, :mod:`hf_zeropp.kernels.allocation`) is
+not bounded by these rows: it gains on the spread between blocks, which this model leaves out.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def inject_non_finite_gradient(model, value: float):
 
 
 RESUME_CONFIGS = {"stage3": {"stage": 3}, "zeropp": ZEROPP,
-                  "zeropp_sr": {**ZEROPP, "stochastic_rounding": True, "seed": 7},
+                  # stochastic rounding in both hops' quantizers, the inter-node one with per-block widths
+                  "zeropp_sr": {**ZEROPP, "stochastic_rounding": True, "seed": 7, "gradient_bit_allocation": True},
                   # LoCo-style: the residual averaged, and reset every 7 reductions (at 7 and 14: one before the
                   # checkpoint at 10 and one after it, so a resume that lost the count would reset at 17)
                   "zeropp_ef": {**ZEROPP, "gradient_error_feedback": True, "gradient_hadamard": 64,

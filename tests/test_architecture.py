@@ -12,8 +12,8 @@ import hf_zeropp
 PACKAGE = Path(hf_zeropp.__file__).resolve().parent
 
 LAYERS = [
-    {"kernels", "kernels.reference", "kernels.ops", "kernels._build", "launcher", "layout", "_compat", "testing",
-     "testing.corpus", "testing.spawn", "testing.tiny_models"},
+    {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "launcher", "layout",
+     "_compat", "testing", "testing.corpus", "testing.spawn", "testing.tiny_models"},
     {"config"},
     {"topology"},
     {"comm_meter", "hpz", "materialize"},

@@ -63,6 +63,13 @@ def test_gradient_fidelity_separates_the_qgz_options(fidelity):
         return row["window_sum_error"] / row["all"]["relative_error"]
     for name in ("error feedback (inter-node hop)", "LoCo error feedback (decay 0.5)"):
         assert carried(rows[name]) < 0.85 * carried(plain), (name, carried(rows[name]), carried(plain))
+    # per-block widths move the inter-node hop's bits to the larger blocks at the same bytes
+    accurate = rows["Hadamard 64 + 8-bit intra"]
+    for name, reference in (("bit allocation (inter-node hop)", plain),
+                            ("Hadamard 64 + 8-bit intra + bit allocation", accurate)):
+        row = rows[name]
+        assert row["inter_node_mb_per_step"] == pytest.approx(plain["inter_node_mb_per_step"], rel=1e-9)
+        assert row["all"]["relative_error"] < 0.8 * reference["all"]["relative_error"], (name, row["all"])
 
 
 def test_adam_scaled_gradient_fidelity(fidelity):

@@ -10,6 +10,9 @@ the op's name too); ``"cpp"`` / ``"cuda"`` — the compiled kernels, or an error
 There is no process-wide default: components that call the kernels (qwZ, qgZ, frozen weights) carry the backend of
 their ``ZeroPPConfig.kernel_backend``.
 
+The per-block-width format of qgZ's inter-node hop (``gradient_bit_allocation``) is plain torch only, in
+:mod:`hf_zeropp.kernels.allocation`.
+
 Every function takes rows along the last dimension: a ``(..., L)`` input gives ``(..., L)`` (8-bit) or
 ``(..., ceil(L / 2))`` (4-bit) int8 codes and ``(..., ceil(L / block_size))`` fp32 scales.
 """

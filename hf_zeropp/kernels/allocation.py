@@ -1,0 +1,170 @@
+"""Block quantization whose bit width varies per block, chosen from the block scales, at the fixed format's bytes.
+
+Why: one row of qgZ's gradient partial sums mixes blocks whose magnitudes differ by orders of magnitude (the rows
+of an embedding that no token of the batch used, a layer's small bias-like directions next to its largest ones).
+A fixed width spends as many bits on a block a hundred times smaller than the largest as on the largest, though
+its squared error weighs ten thousand times less. With a block's squared error proportional to ``absmax**2 *
+4**-b``, the width that minimises the row's total error for a given number of bits is ``b ≈ mean + log2(absmax /
+geometric mean)`` (reverse water-filling): a bit moves from where it buys little to where it buys much, and the
+row's relative error falls by the square root of the ratio of the arithmetic to the geometric mean of the blocks'
+squared scales. The widths are a function of the scales alone, which travel with the codes anyway, so the receiver
+recomputes them: no extra byte, and the rule is integer arithmetic on the scales' bit patterns, so every device and
+backend derives the same widths.
+
+Format (rows along the last dimension, ``(..., L)``; blocks of ``block_size`` elements, the last one shorter when
+``block_size`` does not divide ``L``):
+
+* One fp32 scale per block: the block's absolute maximum (not ``absmax / qmax`` as in the fixed format, because the
+  step depends on the width).
+* Width ``b`` of a block in ``{0, 2, 3, ..., 8}`` bits: ``key`` is the int32 bit pattern of the scale (for positive
+  floats it grows with the value, about ``2**23 * (log2(absmax) + 127)``), ``b = clamp((key + T) >> 23, 0, 8)``,
+  and a width of 1 (a single level, zero) is taken as 0. A zero or non-finite scale gets width 0. ``T`` is the
+  largest integer for which the row's code bytes, ``sum(b * ceil8(n) / 8)`` over its blocks of ``n`` elements,
+  fit in ``packed_length(L, bits)`` bytes — the row size of the fixed ``bits``-wide format. Equal scales give every
+  block ``bits`` (when ``L`` is a multiple of 8), and then the codes are those of the fixed format.
+* Codes: ``q = x / step`` rounded half to even (or ``floor(x / step + u)`` with the reference's counter-based
+  uniform ``u`` for stochastic rounding), clamped to ``[-qmax, qmax]``, ``qmax = 2**(b - 1) - 1``, ``step =
+  absmax / qmax`` in fp32. Stored as ``q + qmax`` in ``b`` bits; every 8 codes (a block is padded with zeros to a
+  multiple of 8 elements) fill ``b`` bytes, little-endian; the blocks follow one another in order and the row's
+  remaining bytes are zero.
+* Dequantization: ``q * step``, or ``0 * absmax`` for width 0 — zero, or NaN when the scale is not finite, so a
+  NaN/Inf block still comes back NaN as in the fixed format.
+
+Plain torch on any device: there is no compiled kernel for this format (qgZ records that it ran this one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import _blocked, num_blocks, packed_length, uniform_from_counter
+
+MAX_WIDTH = 8
+_KEY_SHIFT = 23  # the fp32 exponent's position: one width step per doubling of the scale
+_GROUP = 8  # codes per group of whole bytes: 8 codes of b bits fill b bytes
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size < _GROUP or block_size % _GROUP:
+        raise ValueError(f"block_size={block_size} must be a positive multiple of {_GROUP} for per-block widths "
+                         f"(whole bytes per 8 codes), e.g. {max(_GROUP, -(-block_size // _GROUP) * _GROUP)}")
+
+
+def _padded_counts(length: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Elements per block rounded up to whole groups of 8 codes, (blocks,) int64."""
+    blocks = num_blocks(length, block_size)
+    counts = torch.full((blocks,), block_size, dtype=torch.int64, device=device)
+    counts[-1] = length - (blocks - 1) * block_size
+    return -(-counts // _GROUP) * _GROUP
+
+
+def block_widths(scales: torch.Tensor, length: int, bits: int, block_size: int) -> torch.Tensor:
+    """The width of every block of rows ``(rows, blocks)`` of absmax scales, int64 (see the module docstring)."""
+    rows = scales.reshape(-1, scales.shape[-1])
+    usable = torch.isfinite(rows) & (rows > 0)
+    key = torch.where(usable, rows, torch.ones_like(rows)).view(torch.int32).to(torch.int64)
+    counts = _padded_counts(length, block_size, rows.device)
+    budget = 8 * packed_length(length, bits)
+
+    def widths_at(offset: torch.Tensor) -> torch.Tensor:
+        widths = ((key + offset[:, None]) >> _KEY_SHIFT).clamp(0, MAX_WIDTH)
+        return torch.where(usable & (widths != 1), widths, torch.zeros_like(widths))
+
+    # the largest offset whose cost fits, by bisection; the cost only grows with the offset
+    low = torch.full((rows.shape[0],), -(1 << 32), dtype=torch.int64, device=rows.device)  # every width 0: fits
+    high = torch.full_like(low, 1 << 32)  # every usable width MAX_WIDTH: may not fit
+    fits_high = (widths_at(high) * counts).sum(-1) <= budget
+    low = torch.where(fits_high, high, low)
+    while bool((high - low > 1).any()):
+        middle = (low + high) // 2
+        fits = (widths_at(middle) * counts).sum(-1) <= budget
+        low = torch.where(fits, middle, low)
+        high = torch.where(fits, high, middle)
+    return widths_at(low).view(scales.shape)
+
+
+def _steps(absmax: torch.Tensor, widths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    qmax = ((1 << widths) // 2 - 1).clamp_min(0).to(torch.float32)
+    return qmax, absmax / qmax.clamp_min(1)
+
+
+def _byte_positions(widths: torch.Tensor, counts: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """The flat byte offset at which each block's codes start, (rows, blocks)."""
+    block_bytes = widths * counts // 8
+    starts = torch.cumsum(block_bytes, dim=-1) - block_bytes
+    rows = torch.arange(widths.shape[0], device=widths.device)[:, None]
+    return rows * row_bytes + starts
+
+
+def _groups(widths: torch.Tensor, counts: torch.Tensor):
+    """(width, padded count, mask of the blocks with both) for every such pair present."""
+    for count in counts.unique().tolist():
+        of_count = counts == count
+        for width in range(2, MAX_WIDTH + 1):
+            mask = (widths == width) & of_count
+            if bool(mask.any()):
+                yield width, count, mask
+
+
+def quantize_allocated(x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False,
+                       seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``(..., L)`` -> (int8 codes ``(..., packed_length(L, bits))``, fp32 absmax scales ``(..., blocks)``)."""
+    _check_block_size(block_size)
+    length = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    rows = x.reshape(-1, length).float()
+    row_bytes = packed_length(length, bits)
+    blocked = _blocked(rows, block_size)  # (rows, blocks, block_size), zero padded
+    absmax = blocked.abs().amax(-1)
+    widths = block_widths(absmax, length, bits, block_size)
+    qmax, step = _steps(absmax, widths)
+    values = blocked / step.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    if stochastic:
+        index = torch.arange(blocked.shape[1] * block_size, device=x.device).view(blocked.shape[1:])
+        index = torch.arange(rows.shape[0], device=x.device)[:, None, None] * length + index
+        codes = torch.floor(values + uniform_from_counter(seed, index))
+    else:
+        codes = torch.round(values)
+    codes = torch.maximum(torch.minimum(codes, qmax[..., None]), -qmax[..., None])
+    unsigned = (codes + qmax[..., None]).to(torch.int64)
+    counts = _padded_counts(length, block_size, x.device)
+    out = torch.zeros(rows.shape[0] * row_bytes, dtype=torch.uint8, device=x.device)
+    starts = _byte_positions(widths, counts.expand_as(widths), row_bytes)
+    for width, count, mask in _groups(widths, counts.expand_as(widths)):
+        group = unsigned[mask][:, :count].view(-1, count // _GROUP, _GROUP)
+        shifts = torch.arange(_GROUP, device=x.device) * width
+        packed = (group << shifts).sum(-1)  # 8 codes in 8 * width bits; int64 wraps harmlessly at width 8
+        as_bytes = (packed[..., None] >> (torch.arange(width, device=x.device) * 8)) & 0xFF
+        positions = starts[mask][:, None] + torch.arange(count * width // 8, device=x.device)
+        out[positions.reshape(-1)] = as_bytes.reshape(-1).to(torch.uint8)
+    codes_out = out.view(torch.int8).view(*lead, row_bytes)
+    return codes_out, absmax.view(*lead, absmax.shape[-1])
+
+
+def dequantize_allocated(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, block_size: int,
+                         length: int) -> torch.Tensor:
+    """(codes, scales) from :func:`quantize_allocated` -> fp32 rows ``(..., length)``."""
+    _check_block_size(block_size)
+    lead = tuple(codes.shape[:-1])
+    row_bytes = codes.shape[-1]
+    if row_bytes != packed_length(length, bits):
+        raise ValueError(f"codes rows of {row_bytes} bytes do not hold {length} elements at an average of {bits} "
+                         f"bits ({packed_length(length, bits)} bytes)")
+    absmax = scales.reshape(-1, scales.shape[-1]).float()
+    flat = codes.reshape(-1).view(torch.uint8)
+    widths = block_widths(absmax, length, bits, block_size)
+    qmax, step = _steps(absmax, widths)
+    counts = _padded_counts(length, block_size, codes.device).expand_as(widths)
+    starts = _byte_positions(widths, counts, row_bytes)
+    blocks = num_blocks(length, block_size)
+    out = (absmax * 0)[..., None].expand(absmax.shape[0], blocks, block_size).clone()
+    for width, count, mask in _groups(widths, counts):
+        positions = starts[mask][:, None] + torch.arange(count * width // 8, device=codes.device)
+        as_bytes = flat[positions].to(torch.int64).view(-1, count // _GROUP, width)
+        packed = (as_bytes << (torch.arange(width, device=codes.device) * 8)).sum(-1)
+        unsigned = (packed[..., None] >> (torch.arange(_GROUP, device=codes.device) * width)) & ((1 << width) - 1)
+        signed = unsigned.view(-1, count).to(torch.float32) - qmax[mask][:, None]
+        block_values = out[mask]
+        block_values[:, :count] = signed * step[mask][:, None]
+        out[mask] = block_values
+    return out.view(absmax.shape[0], blocks * block_size)[:, :length].reshape(*lead, length)
