@@ -117,9 +117,8 @@ def _measure_options(configs: dict[str, dict], steps: int) -> dict:
     for name, (model, _, times) in runs.items():
         stats = hf_zeropp.comm_stats(model)["total"]
         residual = sum(codes.numel() + 4 * scales.numel()
-                       for reduce_scatter in model._zeropp.reduce_scatters
-                       for codes, scales in ((reduce_scatter.state_dict()["error_feedback"] or {})
-                                             .get("residuals", {}).values()))
+                       for reduce_scatter in model._zeropp.reduce_scatters if reduce_scatter.feedback is not None
+                       for codes, scales in reduce_scatter.feedback.residuals.values())
         out[name] = {"step_s": sorted(times)[len(times) // 2], "intra": stats["intra_node"] / steps,
                      "inter": stats["inter_node"] / steps, "residual_bytes": residual,
                      "params": sum(p.numel() for p in model.parameters())}

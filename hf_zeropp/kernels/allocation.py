@@ -88,22 +88,16 @@ def _steps(absmax: torch.Tensor, widths: torch.Tensor) -> tuple[torch.Tensor, to
     return qmax, absmax / qmax.clamp_min(1)
 
 
-def _byte_positions(widths: torch.Tensor, counts: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """The flat byte offset at which each block's codes start, (rows, blocks)."""
+def _layout(widths: torch.Tensor, length: int, block_size: int, row_bytes: int):
+    """Where each block's codes lie: (padded counts (blocks,), flat start byte (rows, blocks)) — and, for every
+    (width, padded count) pair present, the mask of its blocks."""
+    counts = _padded_counts(length, block_size, widths.device)
     block_bytes = widths * counts // 8
-    starts = torch.cumsum(block_bytes, dim=-1) - block_bytes
     rows = torch.arange(widths.shape[0], device=widths.device)[:, None]
-    return rows * row_bytes + starts
-
-
-def _groups(widths: torch.Tensor, counts: torch.Tensor):
-    """(width, padded count, mask of the blocks with both) for every such pair present."""
-    for count in counts.unique().tolist():
-        of_count = counts == count
-        for width in range(2, MAX_WIDTH + 1):
-            mask = (widths == width) & of_count
-            if bool(mask.any()):
-                yield width, count, mask
+    starts = rows * row_bytes + torch.cumsum(block_bytes, dim=-1) - block_bytes
+    groups = [(width, count, (widths == width) & (counts == count))
+              for count in counts.unique().tolist() for width in range(2, MAX_WIDTH + 1)]
+    return starts, [group for group in groups if bool(group[2].any())]
 
 
 def quantize_allocated(x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False,
@@ -127,10 +121,9 @@ def quantize_allocated(x: torch.Tensor, bits: int, block_size: int, *, stochasti
         codes = torch.round(values)
     codes = torch.maximum(torch.minimum(codes, qmax[..., None]), -qmax[..., None])
     unsigned = (codes + qmax[..., None]).to(torch.int64)
-    counts = _padded_counts(length, block_size, x.device)
     out = torch.zeros(rows.shape[0] * row_bytes, dtype=torch.uint8, device=x.device)
-    starts = _byte_positions(widths, counts.expand_as(widths), row_bytes)
-    for width, count, mask in _groups(widths, counts.expand_as(widths)):
+    starts, groups = _layout(widths, length, block_size, row_bytes)
+    for width, count, mask in groups:
         group = unsigned[mask][:, :count].view(-1, count // _GROUP, _GROUP)
         shifts = torch.arange(_GROUP, device=x.device) * width
         packed = (group << shifts).sum(-1)  # 8 codes in 8 * width bits; int64 wraps harmlessly at width 8
@@ -154,11 +147,10 @@ def dequantize_allocated(codes: torch.Tensor, scales: torch.Tensor, *, bits: int
     flat = codes.reshape(-1).view(torch.uint8)
     widths = block_widths(absmax, length, bits, block_size)
     qmax, step = _steps(absmax, widths)
-    counts = _padded_counts(length, block_size, codes.device).expand_as(widths)
-    starts = _byte_positions(widths, counts, row_bytes)
+    starts, groups = _layout(widths, length, block_size, row_bytes)
     blocks = num_blocks(length, block_size)
     out = (absmax * 0)[..., None].expand(absmax.shape[0], blocks, block_size).clone()
-    for width, count, mask in _groups(widths, counts):
+    for width, count, mask in groups:
         positions = starts[mask][:, None] + torch.arange(count * width // 8, device=codes.device)
         as_bytes = flat[positions].to(torch.int64).view(-1, count // _GROUP, width)
         packed = (as_bytes << (torch.arange(width, device=codes.device) * 8)).sum(-1)
