@@ -151,7 +151,8 @@ class ZeroPPConfig:
         0, QGZ, "error feedback: drop every residual after this many reductions of its unit (0 = never)")
     gradient_bit_allocation: bool = _option(
         False, QGZ, "qgZ: the inter-node hop gives each block a width from 0 to 8 bits by its scale (more bits to "
-                    "larger blocks), averaging `gradient_bits` in the same bytes; plain torch, no compiled kernel")
+                    "larger blocks), averaging `gradient_bits` in the same bytes: least L2 error, not least Adam "
+                    "update error (it raised one measured case's loss); plain torch, no compiled kernel")
     gradient_full_precision_1d: bool = _option(
         True, QGZ, "qgZ: 1-D parameters (biases, norm gains) reduce-scattered in the reduce dtype, as DeepSpeed's "
                    "qgZ does; False quantizes them with the matrices")

@@ -15,9 +15,21 @@ also the relative error of their sum over each window, ||sum(q - x)|| / ||sum(x)
 state accumulates, where error feedback and stochastic rounding act.
 
 Adam does not see the gradient as L2 does: it divides each element by the root of its own second moment, so an error
-of the same L2 size harms far more when it lands on elements whose gradients are small. The "Adam-scaled" columns
-weight every element by the baseline optimizer's 1 / (sqrt(v_hat) + eps) at that step before taking the same
-ratios: the error of the update direction rather than of the gradient. Deterministic (seeded); minutes on 2 cores.
+of the same L2 size harms far more when it lands on elements whose gradients are small. The "Adam-normalized"
+columns compare each gradient as the baseline's optimizer step would normalize it, g / (sqrt(v_hat(g)) + eps),
+with v_hat(g) the second moment that step computes from its previous state and g itself (gradient clipping
+included; see AdamNormalizer): the error of the update direction rather than of the gradient. An earlier version
+weighed the error by the exact run's 1 / sqrt(v_hat) of the step before; where an element's gradient had been zero
+(the embedding row of a token not yet seen, any element in the first steps) that weight is 1 / eps, and a few such
+elements decided the whole column.
+
+The width-rule table isolates the choice of per-block bit widths on the inter-node hop: one quantization of the exact
+reduced shard (1-D slices left out, Hadamard 64, the candidates' block size, 4.125 bits per value on average, as
+qgZ's INT4 hop) with the fixed width, with ``gradient_bit_allocation``'s rule (wider where the block's absmax is
+larger: least L2 error), with a rule both ends of the hop could follow at no extra byte (the block's absmax over the
+root of a moving average of its own past squared absmax: wider where a block is larger than it usually is), and with
+an oracle no sender has (absmax over the block's RMS of the owner's sqrt(v): wider where a block is larger than
+Adam expects, what Adam's normalization asks for). Deterministic (seeded); minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ import hf_zeropp
 from hf_zeropp._compat import AllGather, ReduceScatter
 from hf_zeropp.comm_meter import CommMeter, allgather_kind
 from hf_zeropp.config import PRESETS, ZeroPPConfig
+from hf_zeropp.kernels.allocation import block_widths
+from hf_zeropp.kernels.reference import hadamard_rows, num_blocks
 from hf_zeropp.layout import parameter_spans
 from hf_zeropp.qgz import make_reduce_scatter
 from hf_zeropp.qwz import make_all_gather
@@ -74,6 +88,11 @@ GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
         "gradient_hadamard": 64, "gradient_intra_bits": 8, "gradient_bit_allocation": True,
         "gradient_error_feedback": True, "gradient_error_feedback_decay": 0.5},
 }
+# ways of choosing the inter-node hop's per-block widths, compared on one quantization of the exact shard
+WIDTH_RULES = ("fixed 4 bits (ZeRO++)", "absmax: least L2 error (gradient_bit_allocation)",
+               "absmax / RMS of its past absmax (moving average 0.99)",
+               "oracle: absmax / the block's RMS of the owner's sqrt(v)")
+RULE_HADAMARD, RULE_BITS, RULE_HISTORY_DECAY = 64, 4, 0.99
 WEIGHT_CANDIDATES: dict[str, dict[str, Any]] = {
     "ZeRO++ qwZ (int8, block 256, 1-D in full precision)": {},
     "1-D parameters quantized too": {"weight_full_precision_1d": False},
@@ -107,22 +126,51 @@ class Sums:
         return torch.stack((relative, cosine), dim=-1)
 
 
-def adam_scale(optimizer: Any, spans: list[tuple[nn.Parameter, int, int]], rank_numel: int) -> torch.Tensor | None:
-    """1 / (sqrt(v_hat) + eps) of Adam's bias-corrected second moment, laid out like a unit's reduce-scatter output
-    (0 on FSDP's padding); None before the optimizer's first step."""
+def adam_moments(optimizer: Any, spans: list[tuple[nn.Parameter, int, int]],
+                 rank_numel: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Adam's exp_avg and exp_avg_sq laid out like a unit's reduce-scatter output (float64, 0 on FSDP's padding and
+    where a parameter has no state yet), with its step count (0 before the first step), betas and eps."""
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
     groups = {id(p): group for group in inner.param_groups for p in group["params"]}
-    scale = torch.zeros(rank_numel, dtype=torch.float64)
+    moments = torch.zeros(2, rank_numel, dtype=torch.float64)
+    hyper = {"step": 0.0}
     for param, start, _ in spans:
+        group = groups[id(param)]
+        hyper.update(beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"])
         state = inner.state.get(param, {})
         if "exp_avg_sq" not in state:
-            return None
-        group = groups[id(param)]
-        second = state["exp_avg_sq"]
-        second = (second.to_local() if hasattr(second, "to_local") else second).double().flatten()
-        corrected = second / (1 - group["betas"][1] ** float(state["step"]))
-        scale[start:start + second.numel()] = 1 / (corrected.sqrt() + group["eps"])
-    return scale
+            continue
+        hyper["step"] = float(state["step"])
+        for row, name in enumerate(("exp_avg", "exp_avg_sq")):
+            value = state[name]
+            value = (value.to_local() if hasattr(value, "to_local") else value).double().flatten()
+            moments[row, start:start + value.numel()] = value
+    return moments[0], moments[1], hyper
+
+
+class AdamNormalizer:
+    """A gradient as one Adam step sees it: ``g / (sqrt(v_hat(g)) + eps)``, where ``v_hat(g)`` is the bias-corrected
+    second moment that step computes from the optimizer's previous state and ``g`` itself. So every gradient,
+    exact or quantized, is divided by the root of its own second moment: bounded by about 1 / sqrt(1 - beta2) per
+    element, even where the exact gradient has been zero (weighing a quantized gradient by the exact run's
+    1 / sqrt(v_hat) there would give it weight 1 / eps).
+
+    Built from the state before the step (read during backward, before the optimizer runs) and after it: the
+    change of exp_avg gives the gradient the step consumed, ``(m_t - beta1 m_{t-1}) / (1 - beta1)``, whose ratio
+    to the reduce-scatter's output is the factor FSDP's averaging and gradient clipping applied."""
+
+    def __init__(self, before: tuple, after: tuple, exact: torch.Tensor) -> None:
+        (first, self.second, _), (first_after, _, hyper) = before, after
+        self.hyper = hyper
+        consumed = (first_after - hyper["beta1"] * first) / (1 - hyper["beta1"])
+        norm = exact.pow(2).sum()
+        self.factor = float((consumed.pow(2).sum() / norm).sqrt()) if norm > 0 else 1.0
+
+    def __call__(self, gradient: torch.Tensor) -> torch.Tensor:
+        h = self.hyper
+        applied = gradient * self.factor
+        second = h["beta2"] * self.second + (1 - h["beta2"]) * applied.pow(2)
+        return applied / ((second / (1 - h["beta2"] ** h["step"])).sqrt() + h["eps"])
 
 
 class ParameterClasses:
@@ -154,7 +202,7 @@ class Probe:
         self.active = False
         self.classes = ParameterClasses(model)
         self.gradient_sums = Sums(len(GRADIENT_CANDIDATES))
-        self.scaled_gradient_sums = Sums(len(GRADIENT_CANDIDATES))  # weighted by adam_scale
+        self.scaled_gradient_sums = Sums(len(GRADIENT_CANDIDATES))  # Adam-normalized (AdamNormalizer)
         self.scaled = False  # whether this step had Adam state to weight with
         self.window_scaled = True  # whether every step of this window had
         self.optimizer: Any = None
@@ -162,15 +210,38 @@ class Probe:
         topology = zeropp_state(model).topology
         self.gradient_meters = [CommMeter(topology) for _ in GRADIENT_CANDIDATES]
         self.weight_meters = [CommMeter(topology) for _ in WEIGHT_CANDIDATES]
-        # per gradient candidate and unit: running sums of (q - x) and x over the window, plain and Adam-scaled
+        # per gradient candidate and unit: running sums of (q - x) and x over the window, plain and Adam-normalized
         self.window: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.reduce_scatters: list[GradientProbe] = []
+        # this step's measured gradients, weighed by Adam once the optimizer step that consumes them has run
+        self.pending: list[tuple] = []
+        self.rules = WidthRules(candidate_config({}).gradient_block_size or candidate_config({}).block_size)
 
     def classify(self, sums: Sums, candidate: int, positions: list[torch.Tensor], result: torch.Tensor,
                  exact: torch.Tensor) -> None:
         for cls, where in enumerate(positions):
             if where.numel():
                 sums.add(candidate, cls, result[where], exact[where])
+
+    def weigh_by_adam(self) -> None:
+        """The Adam-normalized sums of this step's measured gradients (call after the optimizer step)."""
+        self.scaled = bool(self.pending)
+        for gradients, numel, group_size, positions, exact, results, rotated, history_key, before in self.pending:
+            spans = parameter_spans(gradients.unit, True, numel, group_size)
+            after = adam_moments(self.optimizer, spans, numel)
+            if after[2]["step"] <= before[2]["step"]:  # the optimizer skipped the step
+                self.scaled = False
+                continue
+            normalize = AdamNormalizer(before, after, exact)
+            normalized_exact = normalize(exact)
+            for c, result in enumerate(results):
+                normalized = normalize(result)
+                self.classify(self.scaled_gradient_sums, c, positions, normalized, normalized_exact)
+                running = self.window[(c, gradients.index)][0]
+                running[2] += normalized - normalized_exact
+                running[3] += normalized_exact
+            self.rules.measure(self, positions, exact, rotated, history_key, normalize, after[1])
+        self.pending.clear()
 
     def start_window(self) -> None:
         self.window.clear()
@@ -182,7 +253,7 @@ class Probe:
 
     def window_error(self) -> torch.Tensor:
         """||sum over the window of (q - x)|| / ||sum of x|| per gradient candidate and class, over all ranks;
-        [..., 0] plain, [..., 1] Adam-scaled."""
+        [..., 0] plain, [..., 1] Adam-normalized."""
         totals = torch.zeros(len(GRADIENT_CANDIDATES), len(CLASSES), 2, 2, dtype=torch.float64)
         for (candidate, unit), (sums, positions) in self.window.items():
             for cls, where in enumerate(positions):
@@ -206,33 +277,86 @@ class GradientProbe(ReduceScatter):
         return self.exact.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        if not self.probe.active:
-            return self.exact(output_tensor, input_tensor, group, op, async_op=async_op)
         results = []
-        for candidate in self.candidates:
-            result = torch.empty_like(output_tensor)
-            candidate(result, input_tensor.clone(), group, op)  # qgZ zeroes the 1-D slices of its input
-            results.append(result)
+        if self.probe.active:
+            for candidate in self.candidates:
+                result = torch.empty_like(output_tensor)
+                candidate(result, input_tensor.clone(), group, op)  # qgZ zeroes the 1-D slices of its input
+                results.append(result.double())
         work = self.exact(output_tensor, input_tensor, group, op, async_op=async_op)
         if work is not None:
-            work.wait()
+            work.wait()  # FSDP waits for it again: a finished work's wait returns at once
         numel, group_size = output_tensor.numel(), dist.get_world_size(group)
         positions = self.probe.classes.positions(self.unit, True, numel, group_size)
-        scale = adam_scale(self.probe.optimizer, parameter_spans(self.unit, True, numel, group_size), numel)
-        self.probe.scaled = scale is not None
         exact = output_tensor.double()
+        rotated, history_key = self.probe.rules.observe(self.index, exact, positions)  # every step: the history
+        if not self.probe.active:
+            return work
         for c, result in enumerate(results):
-            self.probe.classify(self.probe.gradient_sums, c, positions, result, output_tensor)
-            difference = result.double() - exact
-            # rows: plain (q - x), plain x, Adam-scaled (q - x), Adam-scaled x
-            stacked = torch.stack((difference, exact) if scale is None else
-                                  (difference, exact, difference * scale, exact * scale))
-            if scale is not None:
-                self.probe.classify(self.probe.scaled_gradient_sums, c, positions, result * scale, exact * scale)
+            self.probe.classify(self.probe.gradient_sums, c, positions, result, exact)
+            # rows: plain (q - x), plain x, Adam-normalized (q - x) and x (those two after the step)
             running = self.probe.window.setdefault((c, self.index), [torch.zeros(4, numel, dtype=torch.float64),
                                                                       positions])
-            running[0][:len(stacked)] += stacked
+            running[0][0] += result - exact
+            running[0][1] += exact
+        before = adam_moments(self.probe.optimizer, parameter_spans(self.unit, True, numel, group_size), numel)
+        self.probe.pending.append((self, numel, group_size, positions, exact, results, rotated, history_key, before))
         return work
+
+
+class WidthRules:
+    """The width-rule table: one inter-node quantization of the exact reduced shard under each of WIDTH_RULES (see
+    the module docstring), plain and Adam-normalized. The history rule's moving average runs over every step."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.history: dict[int, list] = {}  # unit -> [moving average of each block's squared absmax, updates]
+        self.sums = Sums(len(WIDTH_RULES))
+        self.scaled_sums = Sums(len(WIDTH_RULES))
+
+    def observe(self, unit: int, exact: torch.Tensor, positions: list[torch.Tensor]):
+        """This step's rotated row (1-D slices zeroed, zero-padded to whole blocks) and the history rule's keys,
+        after folding this step's block scales into the moving average."""
+        row = torch.zeros(num_blocks(exact.numel(), self.block_size) * self.block_size)
+        kept = torch.cat(positions[:2])
+        row[kept] = exact[kept].float()
+        rotated = hadamard_rows(row[None], RULE_HADAMARD)
+        absmax = rotated.view(1, -1, self.block_size).abs().amax(-1)
+        average = self.history.setdefault(unit, [torch.zeros_like(absmax), 0])
+        average[0].mul_(RULE_HISTORY_DECAY).add_(absmax.pow(2), alpha=1 - RULE_HISTORY_DECAY)
+        average[1] += 1
+        typical = (average[0] / (1 - RULE_HISTORY_DECAY ** average[1])).sqrt()
+        return rotated, torch.where(absmax > 0, absmax / typical.clamp_min(1e-30), torch.zeros_like(absmax))
+
+    def measure(self, probe: Probe, positions: list[torch.Tensor], exact: torch.Tensor, rotated: torch.Tensor,
+                history_key: torch.Tensor, normalize: AdamNormalizer, second_moment: torch.Tensor) -> None:
+        length = rotated.shape[-1]
+        absmax = rotated.view(1, -1, self.block_size).abs().amax(-1)
+        second = torch.zeros(length, dtype=torch.float32)
+        second[:second_moment.numel()] = second_moment.float()
+        typical = second.view(1, -1, self.block_size).mean(-1).sqrt()  # the block's RMS gradient, as Adam knows it
+        oracle_key = torch.where(absmax > 0, absmax / typical.clamp_min(1e-30), torch.zeros_like(absmax))
+        normalized_exact = normalize(exact)
+        for r, key in enumerate((None, absmax, history_key, oracle_key)):
+            widths = (torch.full(absmax.shape, RULE_BITS, dtype=torch.int64) if key is None
+                      else block_widths(key, length, RULE_BITS, self.block_size))
+            result = hadamard_rows(quantize_with_widths(rotated, widths, self.block_size), RULE_HADAMARD)
+            result = result[0, :exact.numel()].double()
+            probe.classify(self.sums, r, positions[:2], result, exact)
+            probe.classify(self.scaled_sums, r, positions[:2], normalize(result), normalized_exact)
+
+
+def quantize_with_widths(rows: torch.Tensor, widths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows (r, L), L a multiple of ``block_size``, through the per-block-width format of
+    hf_zeropp.kernels.allocation with the given widths instead of its own (round to nearest): the values that
+    arrive. Equal to that format's round trip when the widths are its own (tested)."""
+    blocked = rows.view(rows.shape[0], -1, block_size)
+    absmax = blocked.abs().amax(-1, keepdim=True)
+    qmax = ((1 << widths) // 2 - 1).clamp_min(0).to(torch.float32)[..., None]
+    step = absmax / qmax.clamp_min(1)
+    codes = torch.round(blocked / step.clamp_min(torch.finfo(torch.float32).tiny))
+    codes = torch.maximum(torch.minimum(codes, qmax), -qmax)
+    return torch.where(qmax > 0, codes * step, absmax * 0).view_as(rows)
 
 
 class WeightProbe(AllGather):
@@ -324,11 +448,15 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
             if not self.probe.active:
                 return
             self.probe.active = False
+            self.probe.weigh_by_adam()  # on_step_end runs after the optimizer step
             scaled = self.probe.scaled_gradient_sums.reduce_and_reset().tolist()
             self.probe.window_scaled &= self.probe.scaled
             per_step[step] = {"gradients": self.probe.gradient_sums.reduce_and_reset().tolist(),
                               "weights": self.probe.weight_sums.reduce_and_reset().tolist(),
-                              "adam_scaled_gradients": scaled if self.probe.scaled else None}
+                              "adam_scaled_gradients": scaled if self.probe.scaled else None,
+                              "width_rules": self.probe.rules.sums.reduce_and_reset().tolist(),
+                              "adam_scaled_width_rules": (self.probe.rules.scaled_sums.reduce_and_reset().tolist()
+                                                          if self.probe.scaled else None)}
             if steps.get(step + 1) != steps[step]:
                 windows.append({"errors": self.probe.window_error().tolist(), "scaled": self.probe.window_scaled})
             if step >= last:
@@ -380,7 +508,12 @@ def summarize(result: dict) -> dict:
     weights = table("weights", list(WEIGHT_CANDIDATES))
     for c, row in enumerate(weights):
         row["inter_node_mb_per_step"] = result["weight_inter_node_mb"][c]
-    return {"model": result["model"], "gradients": gradients, "weights": weights,
+    rules = table("width_rules", list(WIDTH_RULES))
+    scaled_rules = table("adam_scaled_width_rules", list(WIDTH_RULES))
+    for c, row in enumerate(rules):
+        if scaled_rules is not None:
+            row["adam_scaled"] = {cls: scaled_rules[c][cls] for cls in CLASSES}
+    return {"model": result["model"], "gradients": gradients, "weights": weights, "width_rules": rules,
             "measured_steps": sorted(int(s) for s in result["steps"])}
 
 
@@ -404,8 +537,8 @@ def markdown(topology: str, summary: dict) -> str:
                        f"{row['window_sum_error']:.4f} |")
     if "adam_scaled" in summary["gradients"][0]:
         reference = summary["gradients"][0]["adam_scaled"]["all"]["relative_error"]
-        lines += ["", f"### {topology}: gradients scaled as Adam scales them (each element times the baseline's "
-                  "1 / (sqrt(v_hat) + eps)): the error of the update direction", "",
+        lines += ["", f"### {topology}: gradients as Adam normalizes them (g / (sqrt(v_hat(g)) + eps), the "
+                  "baseline's step that consumes them): the error of the update direction", "",
                   "| configuration | matrices | embeddings | 1-D | all | ZeRO++'s error / this | window sum |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for row in summary["gradients"]:
@@ -413,6 +546,26 @@ def markdown(topology: str, summary: dict) -> str:
             lines.append(f"| {row['name']} | " + " | ".join(_cell(row["adam_scaled"][cls]) for cls in CLASSES)
                          + f" | {reference / max(row['adam_scaled']['all']['relative_error'], 1e-30):.2f}x | "
                          + ("—" if window is None else f"{window:.4f}") + " |")
+    rule_classes = ("matrices", "embeddings", "all")
+    fixed = summary["width_rules"][0]
+    scaled = "adam_scaled" in fixed
+    lines += ["", f"### {topology}: per-block widths on the inter-node hop: one quantization of the exact shard "
+              f"(Hadamard {RULE_HADAMARD}, 1-D left out, {RULE_BITS}-bit budget)", "",
+              "relative L2 error per class"
+              + (", then the same of the Adam-normalized gradients" if scaled else ""), "",
+              "| width rule | " + " | ".join(rule_classes) + " | fixed's error / this |"
+              + (" Adam: " + " | ".join(rule_classes) + " | fixed's error / this |" if scaled else ""),
+              "|---|" + "---:|" * (8 if scaled else 4)]
+
+    def ratio(row: dict, reference: dict) -> str:
+        return f"{reference['all']['relative_error'] / max(row['all']['relative_error'], 1e-30):.2f}x"
+    for row in summary["width_rules"]:
+        line = (f"| {row['name']} | " + " | ".join(f"{row[c]['relative_error']:.4f}" for c in rule_classes)
+                + f" | {ratio(row, fixed)} |")
+        if scaled:
+            line += (" " + " | ".join(f"{row['adam_scaled'][c]['relative_error']:.4f}" for c in rule_classes)
+                     + f" | {ratio(row['adam_scaled'], fixed['adam_scaled'])} |")
+        lines.append(line)
     lines += ["", f"### {topology}: weights (qwZ forward gather vs the exact one)", "",
               "| configuration | cross-node MB/step (rank 0) | matrices | embeddings | 1-D | all |",
               "|---|---:|---:|---:|---:|---:|"]
