@@ -38,7 +38,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ import hf_zeropp
 from hf_zeropp._compat import AllGather, ReduceScatter
 from hf_zeropp.comm_meter import CommMeter, allgather_kind
 from hf_zeropp.config import PRESETS, ZeroPPConfig
-from hf_zeropp.kernels.allocation import block_widths
+from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 from hf_zeropp.kernels.reference import hadamard_rows, num_blocks
 from hf_zeropp.layout import parameter_spans
 from hf_zeropp.qgz import make_reduce_scatter
@@ -173,6 +173,19 @@ class AdamNormalizer:
         return applied / ((second / (1 - h["beta2"] ** h["step"])).sqrt() + h["eps"])
 
 
+class MeasuredGradient(NamedTuple):
+    """One unit's gradients in a measured step, kept until the optimizer step that consumes them has run."""
+
+    unit: int  # index of the FSDP unit
+    spans: list  # parameter_spans of its reduce-scatter output
+    positions: list[torch.Tensor]  # per parameter class
+    exact: torch.Tensor
+    results: list[torch.Tensor]  # per gradient candidate
+    rotated: torch.Tensor  # for the width-rule table (WidthRules.observe)
+    history_key: torch.Tensor
+    before: tuple  # adam_moments before the step
+
+
 class ParameterClasses:
     """Which class each parameter of the model is, and where each class lies in a unit's part of a collective."""
 
@@ -214,8 +227,9 @@ class Probe:
         self.window: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.reduce_scatters: list[GradientProbe] = []
         # this step's measured gradients, weighed by Adam once the optimizer step that consumes them has run
-        self.pending: list[tuple] = []
-        self.rules = WidthRules(candidate_config({}).gradient_block_size or candidate_config({}).block_size)
+        self.pending: list[MeasuredGradient] = []
+        plain = candidate_config({})
+        self.rules = WidthRules(plain.gradient_block_size or plain.block_size)
 
     def classify(self, sums: Sums, candidate: int, positions: list[torch.Tensor], result: torch.Tensor,
                  exact: torch.Tensor) -> None:
@@ -226,21 +240,21 @@ class Probe:
     def weigh_by_adam(self) -> None:
         """The Adam-normalized sums of this step's measured gradients (call after the optimizer step)."""
         self.scaled = bool(self.pending)
-        for gradients, numel, group_size, positions, exact, results, rotated, history_key, before in self.pending:
-            spans = parameter_spans(gradients.unit, True, numel, group_size)
-            after = adam_moments(self.optimizer, spans, numel)
-            if after[2]["step"] <= before[2]["step"]:  # the optimizer skipped the step
+        for measured in self.pending:
+            after = adam_moments(self.optimizer, measured.spans, measured.exact.numel())
+            if after[2]["step"] <= measured.before[2]["step"]:  # the optimizer skipped the step
                 self.scaled = False
                 continue
-            normalize = AdamNormalizer(before, after, exact)
-            normalized_exact = normalize(exact)
-            for c, result in enumerate(results):
+            normalize = AdamNormalizer(measured.before, after, measured.exact)
+            normalized_exact = normalize(measured.exact)
+            for c, result in enumerate(measured.results):
                 normalized = normalize(result)
-                self.classify(self.scaled_gradient_sums, c, positions, normalized, normalized_exact)
-                running = self.window[(c, gradients.index)][0]
+                self.classify(self.scaled_gradient_sums, c, measured.positions, normalized, normalized_exact)
+                running = self.window[(c, measured.unit)][0]
                 running[2] += normalized - normalized_exact
                 running[3] += normalized_exact
-            self.rules.measure(self, positions, exact, rotated, history_key, normalize, after[1])
+            self.rules.measure(self, measured.positions, measured.exact, measured.rotated, measured.history_key,
+                               normalize, after[1])
         self.pending.clear()
 
     def start_window(self) -> None:
@@ -299,8 +313,9 @@ class GradientProbe(ReduceScatter):
                                                                       positions])
             running[0][0] += result - exact
             running[0][1] += exact
-        before = adam_moments(self.probe.optimizer, parameter_spans(self.unit, True, numel, group_size), numel)
-        self.probe.pending.append((self, numel, group_size, positions, exact, results, rotated, history_key, before))
+        spans = parameter_spans(self.unit, True, numel, group_size)
+        self.probe.pending.append(MeasuredGradient(self.index, spans, positions, exact, results, rotated, history_key,
+                                                   adam_moments(self.probe.optimizer, spans, numel)))
         return work
 
 
@@ -340,23 +355,10 @@ class WidthRules:
         for r, key in enumerate((None, absmax, history_key, oracle_key)):
             widths = (torch.full(absmax.shape, RULE_BITS, dtype=torch.int64) if key is None
                       else block_widths(key, length, RULE_BITS, self.block_size))
-            result = hadamard_rows(quantize_with_widths(rotated, widths, self.block_size), RULE_HADAMARD)
+            result = hadamard_rows(round_trip_with_widths(rotated, widths, self.block_size), RULE_HADAMARD)
             result = result[0, :exact.numel()].double()
             probe.classify(self.sums, r, positions[:2], result, exact)
             probe.classify(self.scaled_sums, r, positions[:2], normalize(result), normalized_exact)
-
-
-def quantize_with_widths(rows: torch.Tensor, widths: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Rows (r, L), L a multiple of ``block_size``, through the per-block-width format of
-    hf_zeropp.kernels.allocation with the given widths instead of its own (round to nearest): the values that
-    arrive. Equal to that format's round trip when the widths are its own (tested)."""
-    blocked = rows.view(rows.shape[0], -1, block_size)
-    absmax = blocked.abs().amax(-1, keepdim=True)
-    qmax = ((1 << widths) // 2 - 1).clamp_min(0).to(torch.float32)[..., None]
-    step = absmax / qmax.clamp_min(1)
-    codes = torch.round(blocked / step.clamp_min(torch.finfo(torch.float32).tiny))
-    codes = torch.maximum(torch.minimum(codes, qmax), -qmax)
-    return torch.where(qmax > 0, codes * step, absmax * 0).view_as(rows)
 
 
 class WeightProbe(AllGather):

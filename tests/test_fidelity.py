@@ -126,7 +126,8 @@ def test_width_rule_quantizer_is_the_allocation_format(fidelity_out):
     import torch
 
     import fidelity
-    from hf_zeropp.kernels.allocation import block_widths, dequantize_allocated, quantize_allocated
+    from hf_zeropp.kernels.allocation import (block_widths, dequantize_allocated, quantize_allocated,
+                                              round_trip_with_widths)
 
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(3, 1024, generator=generator) * torch.logspace(-3, 1, 4).repeat_interleave(256)
@@ -134,7 +135,7 @@ def test_width_rule_quantizer_is_the_allocation_format(fidelity_out):
     widths = block_widths(absmax, 1024, 4, 256)
     assert len(widths.unique()) > 2  # the test needs blocks of several widths
     expected = dequantize_allocated(*quantize_allocated(rows, 4, 256), bits=4, block_size=256, length=1024)
-    torch.testing.assert_close(fidelity.quantize_with_widths(rows, widths, 256), expected, rtol=0, atol=0)
+    torch.testing.assert_close(round_trip_with_widths(rows, widths, 256), expected, rtol=0, atol=0)
     table = (fidelity_out / "results.md").read_text()
     assert "per-block widths on the inter-node hop" in table
     assert all(f"| {rule} |" in table for rule in fidelity.WIDTH_RULES)

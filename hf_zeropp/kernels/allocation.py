@@ -88,6 +88,31 @@ def _steps(absmax: torch.Tensor, widths: torch.Tensor) -> tuple[torch.Tensor, to
     return qmax, absmax / qmax.clamp_min(1)
 
 
+def _round(blocked: torch.Tensor, absmax: torch.Tensor, widths: torch.Tensor, length: int, stochastic: bool,
+           seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Signed codes of blocked rows ``(rows, blocks, block_size)`` at the given widths, as float, with qmax and step
+    per block (see the module docstring)."""
+    qmax, step = _steps(absmax, widths)
+    values = blocked / step.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    if stochastic:
+        index = torch.arange(blocked.shape[1] * blocked.shape[2], device=blocked.device).view(blocked.shape[1:])
+        index = torch.arange(blocked.shape[0], device=blocked.device)[:, None, None] * length + index
+        codes = torch.floor(values + uniform_from_counter(seed, index))
+    else:
+        codes = torch.round(values)
+    return torch.maximum(torch.minimum(codes, qmax[..., None]), -qmax[..., None]), qmax, step
+
+
+def round_trip_with_widths(rows: torch.Tensor, widths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """What the format delivers for fp32 rows ``(r, L)`` (``L`` a multiple of ``block_size``) when the widths
+    ``(r, blocks)`` are given instead of derived from the scales, rounding to nearest: for comparing width rules
+    (scripts/fidelity.py). With the format's own widths it equals the quantize/dequantize round trip."""
+    blocked = rows.view(rows.shape[0], -1, block_size)
+    absmax = blocked.abs().amax(-1)
+    codes, _, step = _round(blocked, absmax, widths, rows.shape[-1], stochastic=False, seed=0)
+    return (codes * step[..., None]).view_as(rows)
+
+
 def _layout(widths: torch.Tensor, length: int, block_size: int, row_bytes: int):
     """Where each block's codes lie: (padded counts (blocks,), flat start byte (rows, blocks)) — and, for every
     (width, padded count) pair present, the mask of its blocks."""
@@ -111,15 +136,7 @@ def quantize_allocated(x: torch.Tensor, bits: int, block_size: int, *, stochasti
     blocked = _blocked(rows, block_size)  # (rows, blocks, block_size), zero padded
     absmax = blocked.abs().amax(-1)
     widths = block_widths(absmax, length, bits, block_size)
-    qmax, step = _steps(absmax, widths)
-    values = blocked / step.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    if stochastic:
-        index = torch.arange(blocked.shape[1] * block_size, device=x.device).view(blocked.shape[1:])
-        index = torch.arange(rows.shape[0], device=x.device)[:, None, None] * length + index
-        codes = torch.floor(values + uniform_from_counter(seed, index))
-    else:
-        codes = torch.round(values)
-    codes = torch.maximum(torch.minimum(codes, qmax[..., None]), -qmax[..., None])
+    codes, qmax, _ = _round(blocked, absmax, widths, length, stochastic, seed)
     unsigned = (codes + qmax[..., None]).to(torch.int64)
     out = torch.zeros(rows.shape[0] * row_bytes, dtype=torch.uint8, device=x.device)
     starts, groups = _layout(widths, length, block_size, row_bytes)
