@@ -1,6 +1,7 @@
 """Gradient and weight fidelity of the qgZ and qwZ options along a real training trajectory (issue P).
 
     python scripts/fidelity.py [--topologies 2x2,2x4] [--steps 100,300,550] [--window 8] [--out out/fidelity]
+                               [--candidate NAME ...] [--drive NAME]
 
 A ZeRO-3 fp32 baseline (by default the mini Table 5 recipe, ``recipes/gpt350m_pile/mini/zero3.yaml``, through
 ZeroPPTrainer, with the recipe's global batch at every topology) trains on emulated nodes: one gloo process per
@@ -12,7 +13,9 @@ keeps the exact results, so every candidate is measured on the same gradients an
 Per parameter class (matrices, embeddings, 1-D) the script reports the relative L2 error ||q - x|| / ||x|| and the
 cosine of each candidate's result q against the exact one x, averaged over the measured steps, and for gradients
 also the relative error of their sum over each window, ||sum(q - x)|| / ||sum(x)||: what a momentum-like optimizer
-state accumulates, where error feedback and stochastic rounding act.
+state accumulates, where error feedback and stochastic rounding act. The horizon table follows that sum through each
+window, after 1, 2, 4, ... steps: an error that changes sign from step to step shrinks against the summed gradient as
+the horizon grows, a repeated one (a bias) does not.
 
 Adam does not see the gradient as L2 does: it divides each element by the root of its own second moment, so an error
 of the same L2 size harms far more when it lands on elements whose gradients are small. The "Adam-normalized"
@@ -30,6 +33,14 @@ larger: least L2 error), with a rule both ends of the hop could follow at no ext
 root of a moving average of its own past squared absmax: wider where a block is larger than it usually is), and with
 an oracle no sender has (absmax over the block's RMS of the owner's sqrt(v): wider where a block is larger than
 Adam expects, what Adam's normalization asks for). Deterministic (seeded); minutes on 2 cores.
+
+``--candidate`` measures only the named gradient rows (after ZeRO++'s own), which makes long windows affordable.
+``--drive`` trains on one candidate's results instead of the exact ones, so every candidate is measured along that
+candidate's own trajectory rather than the baseline's, and normalized by that run's Adam state (qgZ only: forward
+weights stay exact, so the run is the engine's qgZ-only training, which tests/test_fidelity.py checks). An option
+can look harmless on the baseline's trajectory and not on its own: Adam's second moment adapts to what the option
+delivers, e.g. shrinks where blocks keep getting no bits. Every run reports the validation loss where it stops, so a
+driven run and the baseline on the same seed and batches compare in loss too.
 """
 
 from __future__ import annotations
@@ -180,6 +191,7 @@ class MeasuredGradient(NamedTuple):
     spans: list  # parameter_spans of its reduce-scatter output
     positions: list[torch.Tensor]  # per parameter class
     exact: torch.Tensor
+    consumed: torch.Tensor  # what the optimizer step receives: exact, or the driving candidate's result
     results: list[torch.Tensor]  # per gradient candidate
     rotated: torch.Tensor  # for the width-rule table (WidthRules.observe)
     history_key: torch.Tensor
@@ -211,17 +223,19 @@ class ParameterClasses:
 class Probe:
     """Shared by every unit's wrappers: whether this step is measured, the sums, the candidates' meters."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, candidates: dict[str, dict[str, Any]]) -> None:
         self.active = False
         self.classes = ParameterClasses(model)
-        self.gradient_sums = Sums(len(GRADIENT_CANDIDATES))
-        self.scaled_gradient_sums = Sums(len(GRADIENT_CANDIDATES))  # Adam-normalized (AdamNormalizer)
+        self.candidates = candidates  # the gradient candidates measured, a subset of GRADIENT_CANDIDATES
+        self.drive: int | None = None  # the candidate whose results the model trains on (None: the exact ones)
+        self.gradient_sums = Sums(len(candidates))
+        self.scaled_gradient_sums = Sums(len(candidates))  # Adam-normalized (AdamNormalizer)
         self.scaled = False  # whether this step had Adam state to weight with
         self.window_scaled = True  # whether every step of this window had
         self.optimizer: Any = None
         self.weight_sums = Sums(len(WEIGHT_CANDIDATES))
         topology = zeropp_state(model).topology
-        self.gradient_meters = [CommMeter(topology) for _ in GRADIENT_CANDIDATES]
+        self.gradient_meters = [CommMeter(topology) for _ in candidates]
         self.weight_meters = [CommMeter(topology) for _ in WEIGHT_CANDIDATES]
         # per gradient candidate and unit: running sums of (q - x) and x over the window, plain and Adam-normalized
         self.window: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -245,7 +259,7 @@ class Probe:
             if after[2]["step"] <= measured.before[2]["step"]:  # the optimizer skipped the step
                 self.scaled = False
                 continue
-            normalize = AdamNormalizer(measured.before, after, measured.exact)
+            normalize = AdamNormalizer(measured.before, after, measured.consumed)
             normalized_exact = normalize(measured.exact)
             for c, result in enumerate(measured.results):
                 normalized = normalize(result)
@@ -261,14 +275,14 @@ class Probe:
         self.window.clear()
         self.window_scaled = True
         for probe in self.reduce_scatters:
-            for candidate in probe.candidates:
-                if candidate.feedback is not None:
+            for c, candidate in enumerate(probe.candidates):
+                if candidate.feedback is not None and c != self.drive:
                     candidate.feedback.reset()  # the previous window's residual belongs to other gradients
 
     def window_error(self) -> torch.Tensor:
-        """||sum over the window of (q - x)|| / ||sum of x|| per gradient candidate and class, over all ranks;
-        [..., 0] plain, [..., 1] Adam-normalized."""
-        totals = torch.zeros(len(GRADIENT_CANDIDATES), len(CLASSES), 2, 2, dtype=torch.float64)
+        """||sum over the window so far of (q - x)|| / ||sum of x|| per gradient candidate and class, over all
+        ranks; [..., 0] plain, [..., 1] Adam-normalized."""
+        totals = torch.zeros(len(self.candidates), len(CLASSES), 2, 2, dtype=torch.float64)
         for (candidate, unit), (sums, positions) in self.window.items():
             for cls, where in enumerate(positions):
                 if where.numel():
@@ -285,27 +299,31 @@ class GradientProbe(ReduceScatter):
     def __init__(self, probe: Probe, unit: nn.Module, index: int, exact: Any, topology) -> None:
         self.probe, self.unit, self.index, self.exact = probe, unit, index, exact
         self.candidates = [make_reduce_scatter(candidate_config(overrides), topology, meter, unit)
-                           for overrides, meter in zip(GRADIENT_CANDIDATES.values(), probe.gradient_meters)]
+                           for overrides, meter in zip(probe.candidates.values(), probe.gradient_meters)]
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.exact.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        results = []
-        if self.probe.active:
-            for candidate in self.candidates:
+        drive = self.probe.drive
+        results: dict[int, torch.Tensor] = {}
+        for c, candidate in enumerate(self.candidates):
+            if self.probe.active or c == drive:
                 result = torch.empty_like(output_tensor)
                 candidate(result, input_tensor.clone(), group, op)  # qgZ zeroes the 1-D slices of its input
-                results.append(result.double())
+                results[c] = result
         work = self.exact(output_tensor, input_tensor, group, op, async_op=async_op)
         if work is not None:
             work.wait()  # FSDP waits for it again: a finished work's wait returns at once
         numel, group_size = output_tensor.numel(), dist.get_world_size(group)
         positions = self.probe.classes.positions(self.unit, True, numel, group_size)
         exact = output_tensor.double()
+        if drive is not None:
+            output_tensor.copy_(results[drive])  # the model trains on the driving candidate's gradients
         rotated, history_key = self.probe.rules.observe(self.index, exact, positions)  # every step: the history
         if not self.probe.active:
             return work
+        results = [results[c].double() for c in range(len(self.candidates))]
         for c, result in enumerate(results):
             self.probe.classify(self.probe.gradient_sums, c, positions, result, exact)
             # rows: plain (q - x), plain x, Adam-normalized (q - x) and x (those two after the step)
@@ -314,8 +332,9 @@ class GradientProbe(ReduceScatter):
             running[0][0] += result - exact
             running[0][1] += exact
         spans = parameter_spans(self.unit, True, numel, group_size)
-        self.probe.pending.append(MeasuredGradient(self.index, spans, positions, exact, results, rotated, history_key,
-                                                   adam_moments(self.probe.optimizer, spans, numel)))
+        consumed = exact if drive is None else results[drive]
+        self.probe.pending.append(MeasuredGradient(self.index, spans, positions, exact, consumed, results, rotated,
+                                                   history_key, adam_moments(self.probe.optimizer, spans, numel)))
         return work
 
 
@@ -392,11 +411,11 @@ class WeightProbe(AllGather):
         return work
 
 
-def install(model: nn.Module) -> Probe:
+def install(model: nn.Module, candidates: dict[str, dict[str, Any]]) -> Probe:
     state = zeropp_state(model)
     if state.config.stage != 3 or state.config.quantized_weights or state.config.quantized_gradients:
         raise SystemExit(f"the fidelity baseline must be plain ZeRO-3 (stage 3, no qwZ/qgZ), got {state.config}")
-    probe = Probe(model)
+    probe = Probe(model, candidates)
     for index, (unit, gather, reduce_scatter) in enumerate(zip(fsdp_modules(model), state.all_gathers,
                                                               state.reduce_scatters)):
         gradients = GradientProbe(probe, unit, index, reduce_scatter, state.topology)
@@ -406,42 +425,63 @@ def install(model: nn.Module) -> Probe:
     return probe
 
 
-def measured_steps(starts: list[int], window: int) -> dict[int, int]:
-    """step -> the index of its window's first step in ``starts`` (0-based global steps)."""
-    steps: dict[int, int] = {}
+def measured_steps(starts: list[int], window: int) -> dict[int, tuple[int, int]]:
+    """step -> (the index of its window in ``starts``, how many steps of the window it completes); 0-based global
+    steps."""
+    steps: dict[int, tuple[int, int]] = {}
     for w, start in enumerate(starts):
         for step in range(start, start + window):
-            steps[step] = w
+            steps[step] = (w, step - start + 1)
     return steps
 
 
-def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int, workdir: str) -> dict:
-    from transformers import TrainerCallback
+def horizons(window: int) -> list[int]:
+    """The numbers of steps into a window after which the summed error is recorded: powers of two, and the window."""
+    return sorted({2 ** k for k in range(window.bit_length()) if 2 ** k <= window} | {window})
 
+
+def build_trainer(recipe_path: str, global_batch: int, workdir: str, callbacks: list,
+                  zeropp: dict[str, Any] | None = None) -> Any:
+    """The recipe's ZeroPPTrainer as fidelity runs it: ``global_batch`` sequences per step over this world, no
+    evaluation, checkpoint or log during training; ``zeropp`` replaces the recipe's engine config (the tests train
+    the engine's own qgZ this way, to compare with a driven run)."""
     recipe = load_recipe(Path(recipe_path))
     world = dist.get_world_size()
     if global_batch % world:
         raise SystemExit(f"--global-batch {global_batch} does not split over {world} ranks")
-    train, _, vocab = build_datasets(recipe["data"])
+    train, validation, vocab = build_datasets(recipe["data"])
     training = {**recipe["training"], "output_dir": workdir, "per_device_train_batch_size": global_batch // world,
                 "eval_strategy": "no", "save_strategy": "no", "logging_steps": 10_000, "report_to": "none",
                 "dataloader_num_workers": 0}
+    if zeropp is not None:
+        training["zeropp"] = zeropp
     torch.manual_seed(training["seed"])
     model = build_model(recipe["model"], vocab, int(recipe["data"]["seq_len"]))
+    return hf_zeropp.ZeroPPTrainer(model=model, args=hf_zeropp.ZeroPPTrainingArguments(**training),
+                                   train_dataset=train, eval_dataset=validation, callbacks=callbacks)
+
+
+def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int, workdir: str,
+             candidate_names: list[str], drive: str | None = None) -> dict:
+    from transformers import TrainerCallback
+
     steps = measured_steps(starts, window)
+    recorded = set(horizons(window))
     last = max(steps)
+    candidates = {name: GRADIENT_CANDIDATES[name] for name in candidate_names}
     per_step: dict[int, dict[str, list]] = {}
-    windows: list[list] = []
+    windows: list[dict] = []  # per window and horizon: the summed error so far
 
     class Measure(TrainerCallback):
         probe: Probe | None = None
 
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             if self.probe is None:
-                self.probe = install(model)
+                self.probe = install(model, candidates)
+                self.probe.drive = None if drive is None else candidate_names.index(drive)
             self.probe.optimizer = kwargs["optimizer"]
             step = state.global_step
-            if step in steps and (step == 0 or steps.get(step - 1) != steps[step]):
+            if steps.get(step, (0, 0))[1] == 1:
                 self.probe.start_window()
             self.probe.active = step in steps
 
@@ -459,22 +499,30 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
                               "width_rules": self.probe.rules.sums.reduce_and_reset().tolist(),
                               "adam_scaled_width_rules": (self.probe.rules.scaled_sums.reduce_and_reset().tolist()
                                                           if self.probe.scaled else None)}
-            if steps.get(step + 1) != steps[step]:
-                windows.append({"errors": self.probe.window_error().tolist(), "scaled": self.probe.window_scaled})
+            index, into = steps[step]
+            if into in recorded:
+                windows.append({"window": index, "horizon": into, "errors": self.probe.window_error().tolist(),
+                                "scaled": self.probe.window_scaled})
             if step >= last:
                 control.should_training_stop = True
 
     measure = Measure()
-    args = hf_zeropp.ZeroPPTrainingArguments(**training)
-    trainer = hf_zeropp.ZeroPPTrainer(model=model, args=args, train_dataset=train, callbacks=[measure])
+    trainer = build_trainer(recipe_path, global_batch, workdir, [measure])
+    model = f"{type(trainer.model).__name__}, {sum(p.numel() for p in trainer.model.parameters()):,} parameters"
     trainer.train()
     probe = measure.probe
     measured = len(per_step)
+    ran = [trainer.state.global_step if c == probe.drive else measured for c in range(len(candidates))]
     return {
-        "model": f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters",
+        "model": model,
+        "gradient_candidates": candidate_names,
+        "drive": drive,
+        "validation_loss": trainer.evaluate()["eval_loss"],
+        "last_step": trainer.state.global_step,
         "steps": per_step,
         "windows": windows,
-        "gradient_inter_node_mb": [m.stats()["total"]["inter_node"] / measured / 1e6 for m in probe.gradient_meters],
+        "gradient_inter_node_mb": [m.stats()["total"]["inter_node"] / n / 1e6
+                                   for m, n in zip(probe.gradient_meters, ran)],
         "weight_inter_node_mb": [m.stats()["total"]["inter_node"] / measured / 1e6 for m in probe.weight_meters],
     }
 
@@ -496,17 +544,25 @@ def summarize(result: dict) -> dict:
             rows.append(row)
         return rows
 
-    gradients = table("gradients", list(GRADIENT_CANDIDATES))
-    scaled = table("adam_scaled_gradients", list(GRADIENT_CANDIDATES))
-    windows = torch.tensor([w["errors"] for w in result["windows"]], dtype=torch.float64)
-    scaled_windows = windows[[w["scaled"] for w in result["windows"]]]
+    names = result["gradient_candidates"]
+    gradients = table("gradients", names)
+    scaled = table("adam_scaled_gradients", names)
+    full = max(w["horizon"] for w in result["windows"])
+
+    def summed(horizon: int, adam: bool) -> torch.Tensor | None:
+        """Mean over the windows of the error summed over ``horizon`` steps, per candidate (all classes)."""
+        errors = [w["errors"] for w in result["windows"] if w["horizon"] == horizon and (w["scaled"] or not adam)]
+        return torch.tensor(errors, dtype=torch.float64)[:, :, -1, int(adam)].mean(0) if errors else None
+    by_horizon = {h: (summed(h, False), summed(h, True)) for h in sorted({w["horizon"] for w in result["windows"]})}
     for c, row in enumerate(gradients):
-        row["window_sum_error"] = windows[:, c, -1, 0].mean().item()
+        row["window_sum_error"] = by_horizon[full][0][c].item()
+        row["summed_over_steps"] = {h: {"plain": plain[c].item(), "adam_normalized": None if adam is None
+                                        else adam[c].item()} for h, (plain, adam) in by_horizon.items()}
         row["inter_node_mb_per_step"] = result["gradient_inter_node_mb"][c]
         if scaled is not None:
             row["adam_scaled"] = {cls: scaled[c][cls] for cls in CLASSES}
-            row["adam_scaled_window_sum_error"] = (scaled_windows[:, c, -1, 1].mean().item()
-                                                   if len(scaled_windows) else None)
+            adam = by_horizon[full][1]
+            row["adam_scaled_window_sum_error"] = None if adam is None else adam[c].item()
     weights = table("weights", list(WEIGHT_CANDIDATES))
     for c, row in enumerate(weights):
         row["inter_node_mb_per_step"] = result["weight_inter_node_mb"][c]
@@ -515,7 +571,8 @@ def summarize(result: dict) -> dict:
     for c, row in enumerate(rules):
         if scaled_rules is not None:
             row["adam_scaled"] = {cls: scaled_rules[c][cls] for cls in CLASSES}
-    return {"model": result["model"], "gradients": gradients, "weights": weights, "width_rules": rules,
+    return {"model": result["model"], "drive": result["drive"], "validation_loss": result["validation_loss"],
+            "last_step": result["last_step"], "gradients": gradients, "weights": weights, "width_rules": rules,
             "measured_steps": sorted(int(s) for s in result["steps"])}
 
 
@@ -523,11 +580,36 @@ def _cell(entry: dict) -> str:
     return f"{entry['relative_error']:.4f} ({entry['cosine']:.5f})"
 
 
+def horizon_table(topology: str, summary: dict) -> list[str]:
+    """The error of the gradients summed over the first h steps of each window, as h grows: an error that changes
+    from step to step shrinks against the summed gradient, one that repeats (a bias) does not."""
+    rows = summary["gradients"]
+    spans = list(rows[0]["summed_over_steps"])
+    if len(spans) < 2:
+        return []
+    lines = ["", f"### {topology}: the error of the gradients summed over h consecutive steps (all classes; "
+             "plain, then Adam-normalized), mean over the windows", "",
+             "| configuration | " + " | ".join(f"h = {h}" for h in spans) + " | "
+             + " | ".join(f"Adam h = {h}" for h in spans) + f" | ZeRO++'s Adam error / this at h = {spans[-1]} |",
+             "|---|" + "---:|" * (2 * len(spans) + 1)]
+    reference = rows[0]["summed_over_steps"][spans[-1]]["adam_normalized"]
+    for row in rows:
+        cells = row["summed_over_steps"]
+        adam = [cells[h]["adam_normalized"] for h in spans]
+        lines.append(f"| {row['name']} | " + " | ".join(f"{cells[h]['plain']:.4f}" for h in spans) + " | "
+                     + " | ".join("—" if a is None else f"{a:.4f}" for a in adam) + " | "
+                     + ("—" if None in (reference, adam[-1]) else f"{reference / max(adam[-1], 1e-30):.2f}x") + " |")
+    return lines
+
+
 def markdown(topology: str, summary: dict) -> str:
     steps = summary["measured_steps"]
     reference = summary["gradients"][0]["all"]["relative_error"]
+    trained_on = ("the exact gradients (the ZeRO-3 baseline)" if summary["drive"] is None
+                  else f"the gradients of {summary['drive']!r} (its own trajectory; forward weights exact)")
     lines = [f"### {topology}: gradients (qgZ result vs the exact reduce-scatter), {len(steps)} steps {steps}", "",
-             f"model: {summary['model']}", "",
+             f"model: {summary['model']}; trained on {trained_on}; validation loss after "
+             f"{summary['last_step']} steps: {summary['validation_loss']:.4f}", "",
              "relative L2 error (cosine) per parameter class, mean over the measured steps; window sum = error of "
              "the gradients summed over each window", "",
              "| configuration | cross-node MB/step (rank 0) | matrices | embeddings | 1-D | all | "
@@ -540,7 +622,7 @@ def markdown(topology: str, summary: dict) -> str:
     if "adam_scaled" in summary["gradients"][0]:
         reference = summary["gradients"][0]["adam_scaled"]["all"]["relative_error"]
         lines += ["", f"### {topology}: gradients as Adam normalizes them (g / (sqrt(v_hat(g)) + eps), the "
-                  "baseline's step that consumes them): the error of the update direction", "",
+                  "step of the run that consumes them): the error of the update direction", "",
                   "| configuration | matrices | embeddings | 1-D | all | ZeRO++'s error / this | window sum |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for row in summary["gradients"]:
@@ -548,6 +630,7 @@ def markdown(topology: str, summary: dict) -> str:
             lines.append(f"| {row['name']} | " + " | ".join(_cell(row["adam_scaled"][cls]) for cls in CLASSES)
                          + f" | {reference / max(row['adam_scaled']['all']['relative_error'], 1e-30):.2f}x | "
                          + ("—" if window is None else f"{window:.4f}") + " |")
+    lines += horizon_table(topology, summary)
     rule_classes = ("matrices", "embeddings", "all")
     fixed = summary["width_rules"][0]
     scaled = "adam_scaled" in fixed
@@ -591,8 +674,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default="100,300,550", help="first (0-based) step of each measured window")
     parser.add_argument("--window", type=int, default=8, help="consecutive steps measured per window")
     parser.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
+    parser.add_argument("--candidate", action="append", default=None, metavar="NAME",
+                        help="measure only these gradient candidates (repeat the flag; exact row names); the first "
+                             f"row, {next(iter(GRADIENT_CANDIDATES))!r}, is always measured. Default: every row")
+    parser.add_argument("--drive", default=None, metavar="NAME",
+                        help="train on this gradient candidate's results instead of the exact ones, measuring every "
+                             "candidate along its trajectory (qgZ only: the forward weights stay exact); it is "
+                             "measured too. Default: the exact baseline")
     parser.add_argument("--out", default="out/fidelity")
     args = parser.parse_args(argv)
+    reference = next(iter(GRADIENT_CANDIDATES))
+    named = [("--candidate", name) for name in args.candidate or ()]
+    if args.drive is not None:
+        named.append(("--drive", args.drive))
+    for flag, name in named:
+        if name not in GRADIENT_CANDIDATES:
+            raise SystemExit(f"{flag} {name!r} is not a row of the table; choose from "
+                             + ", ".join(repr(name) for name in GRADIENT_CANDIDATES))
+    candidates = list(GRADIENT_CANDIDATES) if args.candidate is None else [
+        reference, *dict.fromkeys(name for name in [*args.candidate, args.drive] if name not in (reference, None))]
     starts = sorted(int(s) for s in args.steps.split(","))
     if args.window < 1 or any(b < a + args.window for a, b in zip(starts, starts[1:])):
         raise SystemExit(f"--steps {args.steps} with --window {args.window}: windows must not overlap")
@@ -603,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         nodes, per_node = parse_topology(text)
         world = nodes * per_node
         raw = run_distributed(run_rank, world, args.recipe, starts, args.window, args.global_batch,
-                              str(out / f"run_{text}"), node_size=per_node, timeout=3600)[0]
+                              str(out / f"run_{text}"), candidates, args.drive, node_size=per_node,
+                              timeout=3600)[0]
         results[text] = summarize(raw)
         report.append(markdown(f"{nodes} nodes x {per_node} ranks", results[text]))
         print(report[-1], flush=True)

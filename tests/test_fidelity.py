@@ -73,6 +73,27 @@ def test_gradient_fidelity_separates_the_qgz_options(fidelity):
         assert row["all"]["relative_error"] < 0.8 * reference["all"]["relative_error"], (name, row["all"])
 
 
+def test_errors_summed_over_the_first_steps_of_each_window(fidelity_out, fidelity):
+    """The horizon table: after one step of a window error feedback has carried nothing yet (its residual is reset
+    at the window's start), so its error equals plain rounding's; after two it carries the first step's error
+    into the second, and its summed error falls below plain's. The last horizon is the window sum."""
+    import fidelity as script
+
+    assert script.horizons(1) == [1] and script.horizons(8) == [1, 2, 4, 8] and script.horizons(12) == [1, 2, 4, 8, 12]
+    rows = _rows(fidelity, "gradients")
+    plain = rows["ZeRO++ qgZ (int4/int4, block 256)"]["summed_over_steps"]
+    assert list(plain) == ["1", "2"]  # JSON keys
+    for name in ("error feedback (inter-node hop)", "LoCo error feedback (decay 0.5)"):
+        summed = rows[name]["summed_over_steps"]
+        for kind in ("plain", "adam_normalized"):
+            assert summed["1"][kind] == pytest.approx(plain["1"][kind], rel=1e-12), (name, kind)
+            assert summed["2"][kind] < plain["2"][kind], (name, kind)
+    for row in rows.values():
+        assert row["summed_over_steps"]["2"]["plain"] == row["window_sum_error"]
+        assert row["summed_over_steps"]["2"]["adam_normalized"] == row["adam_scaled_window_sum_error"]
+    assert "summed over h consecutive steps" in (fidelity_out / "results.md").read_text()
+
+
 def test_adam_normalized_gradient_fidelity(fidelity):
     """Every measured step (1-4) has the update-direction measure; full-precision 1-D slices stay exact under any
     normalization, each element is bounded (so no row is ruled by a few elements), and normalizing changes the
@@ -167,14 +188,21 @@ def test_weight_fidelity_of_qwz(fidelity):
 
 
 def test_the_recipe_decides_the_model_family(tmp_path):
-    """The second accuracy case's Llama recipe is measured on a Llama, not on a GPT-2 built from its keywords."""
+    """The second accuracy case's Llama recipe is measured on a Llama, not on a GPT-2 built from its keywords;
+    --candidate measures the named rows only, after ZeRO++'s own row; an unknown name stops before any process
+    starts."""
     import fidelity
 
     recipe = Path(__file__).resolve().parent.parent / "recipes/llama_python_docs/zero3.yaml"
+    with pytest.raises(SystemExit, match="'Hadamard 63' is not a row of the table; choose from 'ZeRO"):
+        fidelity.main(["--recipe", str(recipe), "--candidate", "Hadamard 63", "--out", str(tmp_path)])
     assert fidelity.main(["--recipe", str(recipe), "--topologies", "2x2", "--steps", "0", "--window", "1",
-                          "--global-batch", "16", "--out", str(tmp_path)]) == 0
+                          "--global-batch", "16", "--candidate", "bit allocation (inter-node hop)",
+                          "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "results.json").read_text())["2x2"]
     assert summary["model"].startswith("LlamaForCausalLM, ")
+    assert [row["name"] for row in summary["gradients"]] == ["ZeRO++ qgZ (int4/int4, block 256)",
+                                                             "bit allocation (inter-node hop)"]
     assert summary["measured_steps"] == [0]
     assert "adam_scaled" in summary["gradients"][0]  # step 0 is normalized by the step that consumes it
     assert "model: LlamaForCausalLM" in (tmp_path / "results.md").read_text()
@@ -189,3 +217,42 @@ def test_the_quantizer_floor_reads_the_fidelity_report(fidelity_out, fidelity):
     assert heading.startswith("2 nodes x 2 ranks: gradients")
     assert plain == pytest.approx(rows[quantizer_floor.PLAIN_ROW]["all"]["relative_error"], abs=5e-5)
     assert best == pytest.approx(rows[quantizer_floor.BEST_ROW]["all"]["relative_error"], abs=5e-5)
+
+
+LLAMA = Path(__file__).resolve().parent.parent / "recipes/llama_python_docs/zero3.yaml"
+
+
+def _engine_validation_loss(zeropp: dict, steps: int, workdir: str) -> float:
+    """The Llama recipe trained ``steps`` steps by the engine with ``zeropp``, set up as fidelity's runs are."""
+    from transformers import TrainerCallback
+
+    import fidelity
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= steps
+
+    trainer = fidelity.build_trainer(str(LLAMA), 16, workdir, [Stop()], zeropp)
+    trainer.train()
+    return trainer.evaluate()["eval_loss"]
+
+
+def test_a_driven_run_is_the_engines_own_qgz_training(tmp_path):
+    """--drive trains on a candidate's results: two steps driven by Hadamard 64 + 8-bit intra give the validation
+    loss of the engine's own qgZ-only training with those options (forward weights exact), not the baseline's."""
+    import fidelity
+
+    from hf_zeropp.testing.spawn import run_distributed
+
+    assert fidelity.main(["--recipe", str(LLAMA), "--topologies", "2x2", "--steps", "0", "--window", "2",
+                          "--global-batch", "16", "--candidate", "Hadamard 64 + 8-bit intra",
+                          "--drive", "Hadamard 64 + 8-bit intra", "--out", str(tmp_path / "driven")]) == 0
+    driven = json.loads((tmp_path / "driven" / "results.json").read_text())["2x2"]
+    assert driven["drive"] == "Hadamard 64 + 8-bit intra" and driven["last_step"] == 2
+    engine = run_distributed(_engine_validation_loss, 4, {"preset": "zeropp-qgz", "gradient_hadamard": 64,
+                                                          "gradient_intra_bits": 8}, 2, str(tmp_path / "qgz"),
+                             node_size=2)[0]
+    baseline = run_distributed(_engine_validation_loss, 4, {"preset": "zero3"}, 2, str(tmp_path / "zero3"),
+                               node_size=2)[0]
+    assert driven["validation_loss"] == pytest.approx(engine, abs=1e-6)
+    assert abs(engine - baseline) > 1e-4  # two steps of qgZ are visible in the loss: the comparison can fail
