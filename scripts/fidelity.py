@@ -29,10 +29,17 @@ elements decided the whole column.
 The width-rule table isolates the choice of per-block bit widths on the inter-node hop: one quantization of the exact
 reduced shard (1-D slices left out, Hadamard 64, the candidates' block size, 4.125 bits per value on average, as
 qgZ's INT4 hop) with the fixed width, with ``gradient_bit_allocation``'s rule (wider where the block's absmax is
-larger: least L2 error), with a rule both ends of the hop could follow at no extra byte (the block's absmax over the
+larger: least L2 error), with that rule held to at least the fixed width on every block that is not all zero (so the
+only bits that move are those the fixed format spends on zero blocks: which part of the gain is free), with a rule
+both ends of the hop could follow at no extra byte (the block's absmax over the
 root of a moving average of its own past squared absmax: wider where a block is larger than it usually is), and with
 an oracle no sender has (absmax over the block's RMS of the owner's sqrt(v): wider where a block is larger than
 Adam expects, what Adam's normalization asks for). Deterministic (seeded); minutes on 2 cores.
+
+The table of where the Adam-normalized error lies splits it between the "surprising" elements (the exact gradient
+beyond SURPRISE times the root of the run's own second moment before the step: Adam normalizes them to about
+sqrt((1 - beta2**t) / (1 - beta2)), the rest to about 1) and the others. An option whose error concentrates there
+delivers too little exactly where the run's second moment has fallen behind the gradient.
 
 ``--candidate`` measures only the named gradient rows (after ZeRO++'s own), which makes long windows affordable.
 ``--drive`` trains on one candidate's results instead of the exact ones, so every candidate is measured along that
@@ -101,9 +108,12 @@ GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
 }
 # ways of choosing the inter-node hop's per-block widths, compared on one quantization of the exact shard
 WIDTH_RULES = ("fixed 4 bits (ZeRO++)", "absmax: least L2 error (gradient_bit_allocation)",
+               "absmax, no block below 4 bits unless all zero (bits move only from zero blocks)",
                "absmax / RMS of its past absmax (moving average 0.99)",
                "oracle: absmax / the block's RMS of the owner's sqrt(v)")
 RULE_HADAMARD, RULE_BITS, RULE_HISTORY_DECAY = 64, 4, 0.99
+# an element is "surprising" Adam when its exact gradient exceeds this many times its root second moment before the step
+SURPRISE = 3.0
 WEIGHT_CANDIDATES: dict[str, dict[str, Any]] = {
     "ZeRO++ qwZ (int8, block 256, 1-D in full precision)": {},
     "1-D parameters quantized too": {"weight_full_precision_1d": False},
@@ -183,6 +193,18 @@ class AdamNormalizer:
         second = h["beta2"] * self.second + (1 - h["beta2"]) * applied.pow(2)
         return applied / ((second / (1 - h["beta2"] ** h["step"])).sqrt() + h["eps"])
 
+    def surprised(self, gradient: torch.Tensor) -> torch.Tensor:
+        """The elements whose gradient, as the step applies it, exceeds SURPRISE times the root of the run's
+        bias-corrected second moment before the step: where the run's v has not seen gradients this large (an
+        element the run has starved, or a rare token's first push). Normalized, such an element is near
+        sqrt((1 - beta2**t) / (1 - beta2)), far above the ~1 of the rest, so an error there weighs heavily."""
+        h = self.hyper
+        before = h["step"] - 1
+        if before < 1:
+            return torch.zeros(gradient.shape, dtype=torch.bool)
+        typical = (self.second / (1 - h["beta2"] ** before)).sqrt()
+        return (gradient * self.factor).abs() > SURPRISE * typical
+
 
 class MeasuredGradient(NamedTuple):
     """One unit's gradients in a measured step, kept until the optimizer step that consumes them has run."""
@@ -230,6 +252,9 @@ class Probe:
         self.drive: int | None = None  # the candidate whose results the model trains on (None: the exact ones)
         self.gradient_sums = Sums(len(candidates))
         self.scaled_gradient_sums = Sums(len(candidates))  # Adam-normalized (AdamNormalizer)
+        # over [all elements, the surprised ones]: each candidate's Adam-normalized squared error, then the
+        # normalized exact gradient's squared norm, then the number of elements
+        self.surprise = torch.zeros(len(candidates) + 2, 2, dtype=torch.float64)
         self.scaled = False  # whether this step had Adam state to weight with
         self.window_scaled = True  # whether every step of this window had
         self.optimizer: Any = None
@@ -261,15 +286,33 @@ class Probe:
                 continue
             normalize = AdamNormalizer(measured.before, after, measured.consumed)
             normalized_exact = normalize(measured.exact)
-            for c, result in enumerate(measured.results):
-                normalized = normalize(result)
-                self.classify(self.scaled_gradient_sums, c, measured.positions, normalized, normalized_exact)
+            normalized = [normalize(result) for result in measured.results]
+            for c, result in enumerate(normalized):
+                self.classify(self.scaled_gradient_sums, c, measured.positions, result, normalized_exact)
                 running = self.window[(c, measured.unit)][0]
-                running[2] += normalized - normalized_exact
+                running[2] += result - normalized_exact
                 running[3] += normalized_exact
+            self.locate_error(measured.positions, normalize.surprised(measured.exact), normalized, normalized_exact)
             self.rules.measure(self, measured.positions, measured.exact, measured.rotated, measured.history_key,
                                normalize, after[1])
         self.pending.clear()
+
+    def locate_error(self, positions: list[torch.Tensor], surprised: torch.Tensor, normalized: list[torch.Tensor],
+                     normalized_exact: torch.Tensor) -> None:
+        where = torch.cat(positions)
+        inside = surprised[where]
+        exact = normalized_exact[where]
+        parts = [(result[where] - exact).pow(2) for result in normalized]
+        parts += [exact.pow(2), torch.ones_like(exact)]
+        for row, values in enumerate(parts):
+            self.surprise[row, 0] += values.sum()
+            self.surprise[row, 1] += values[inside].sum()
+
+    def reduce_surprise(self) -> list:
+        totals = self.surprise.clone()
+        dist.all_reduce(totals)
+        self.surprise.zero_()
+        return totals.tolist()
 
     def start_window(self) -> None:
         self.window.clear()
@@ -371,9 +414,10 @@ class WidthRules:
         typical = second.view(1, -1, self.block_size).mean(-1).sqrt()  # the block's RMS gradient, as Adam knows it
         oracle_key = torch.where(absmax > 0, absmax / typical.clamp_min(1e-30), torch.zeros_like(absmax))
         normalized_exact = normalize(exact)
-        for r, key in enumerate((None, absmax, history_key, oracle_key)):
+        rules = ((None, 0), (absmax, 0), (absmax, RULE_BITS), (history_key, 0), (oracle_key, 0))
+        for r, (key, floor) in enumerate(rules):
             widths = (torch.full(absmax.shape, RULE_BITS, dtype=torch.int64) if key is None
-                      else block_widths(key, length, RULE_BITS, self.block_size))
+                      else block_widths(key, length, RULE_BITS, self.block_size, floor))
             result = hadamard_rows(round_trip_with_widths(rotated, widths, self.block_size), RULE_HADAMARD)
             result = result[0, :exact.numel()].double()
             probe.classify(self.sums, r, positions[:2], result, exact)
@@ -492,10 +536,12 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
             self.probe.active = False
             self.probe.weigh_by_adam()  # on_step_end runs after the optimizer step
             scaled = self.probe.scaled_gradient_sums.reduce_and_reset().tolist()
+            surprise = self.probe.reduce_surprise()
             self.probe.window_scaled &= self.probe.scaled
             per_step[step] = {"gradients": self.probe.gradient_sums.reduce_and_reset().tolist(),
                               "weights": self.probe.weight_sums.reduce_and_reset().tolist(),
                               "adam_scaled_gradients": scaled if self.probe.scaled else None,
+                              "surprise": surprise if self.probe.scaled else None,
                               "width_rules": self.probe.rules.sums.reduce_and_reset().tolist(),
                               "adam_scaled_width_rules": (self.probe.rules.scaled_sums.reduce_and_reset().tolist()
                                                           if self.probe.scaled else None)}
@@ -566,6 +612,15 @@ def summarize(result: dict) -> dict:
     weights = table("weights", list(WEIGHT_CANDIDATES))
     for c, row in enumerate(weights):
         row["inter_node_mb_per_step"] = result["weight_inter_node_mb"][c]
+    surprise = [step["surprise"] for step in result["steps"].values() if step["surprise"] is not None]
+    if surprise:
+        totals = torch.tensor(surprise, dtype=torch.float64).sum(0)
+        energy, count = totals[-2], totals[-1]
+        for c, row in enumerate(gradients):
+            error = totals[c]
+            elsewhere = (error[0] - error[1]) / (energy[0] - energy[1]).clamp_min(1e-300)
+            row["error_on_surprised"] = {"share_of_squared_error": (error[1] / error[0].clamp_min(1e-300)).item(),
+                                         "relative_error_elsewhere": elsewhere.sqrt().item()}
     rules = table("width_rules", list(WIDTH_RULES))
     scaled_rules = table("adam_scaled_width_rules", list(WIDTH_RULES))
     for c, row in enumerate(rules):
@@ -573,6 +628,8 @@ def summarize(result: dict) -> dict:
             row["adam_scaled"] = {cls: scaled_rules[c][cls] for cls in CLASSES}
     return {"model": result["model"], "drive": result["drive"], "validation_loss": result["validation_loss"],
             "last_step": result["last_step"], "gradients": gradients, "weights": weights, "width_rules": rules,
+            "surprised": None if not surprise else {"share_of_elements": (count[1] / count[0]).item(),
+                                                    "share_of_normalized_energy": (energy[1] / energy[0]).item()},
             "measured_steps": sorted(int(s) for s in result["steps"])}
 
 
@@ -599,6 +656,25 @@ def horizon_table(topology: str, summary: dict) -> list[str]:
         lines.append(f"| {row['name']} | " + " | ".join(f"{cells[h]['plain']:.4f}" for h in spans) + " | "
                      + " | ".join("—" if a is None else f"{a:.4f}" for a in adam) + " | "
                      + ("—" if None in (reference, adam[-1]) else f"{reference / max(adam[-1], 1e-30):.2f}x") + " |")
+    return lines
+
+
+def surprise_table(topology: str, summary: dict) -> list[str]:
+    """How much of each row's Adam-normalized error lies on the elements whose exact gradient surprises the run's
+    second moment (AdamNormalizer.surprised), and the error on the rest."""
+    if summary["surprised"] is None:
+        return []
+    share = summary["surprised"]
+    lines = ["", f"### {topology}: where the Adam-normalized error lies: elements whose exact gradient exceeds "
+             f"{SURPRISE:g}x the root of the run's second moment before the step "
+             f"({share['share_of_elements']:.3%} of the elements, {share['share_of_normalized_energy']:.1%} of the "
+             "normalized exact gradient's squared norm)", "",
+             "| configuration | share of its squared error on those elements | relative error on the other elements |",
+             "|---|---:|---:|"]
+    for row in summary["gradients"]:
+        cell = row["error_on_surprised"]
+        lines.append(f"| {row['name']} | {cell['share_of_squared_error']:.1%} | "
+                     f"{cell['relative_error_elsewhere']:.4f} |")
     return lines
 
 
@@ -631,6 +707,7 @@ def markdown(topology: str, summary: dict) -> str:
                          + f" | {reference / max(row['adam_scaled']['all']['relative_error'], 1e-30):.2f}x | "
                          + ("—" if window is None else f"{window:.4f}") + " |")
     lines += horizon_table(topology, summary)
+    lines += surprise_table(topology, summary)
     rule_classes = ("matrices", "embeddings", "all")
     fixed = summary["width_rules"][0]
     scaled = "adam_scaled" in fixed

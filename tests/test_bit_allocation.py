@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zeropp.kernels as K
-from hf_zeropp.kernels.allocation import block_widths, dequantize_allocated, quantize_allocated
+from hf_zeropp.kernels.allocation import block_widths, dequantize_allocated, quantize_allocated, round_trip_with_widths
 from hf_zeropp.testing.spawn import run_distributed
 
 
@@ -97,6 +97,50 @@ def test_widths_spend_the_budget_and_follow_the_scales():
     assert (widths.gather(-1, order).diff(dim=-1) >= 0).all(), "a larger block must never get fewer bits"
     assert set(widths.unique().tolist()) <= {0, 2, 3, 4, 5, 6, 7, 8} and widths.max() == 8 and widths.min() == 0
     assert torch.equal(block_widths(scales * 1024, length, bits, block), widths)
+
+
+def test_a_floor_at_the_fixed_width_moves_only_the_bits_of_all_zero_blocks():
+    """The width rule held to the fixed width (scripts/fidelity.py's "bits move only from zero blocks"): with no
+    all-zero block nothing moves, however unequal the scales; with some, every other block is at least as fine as
+    in the fixed format, element by element within half a fixed-width step, and the zero blocks' bits go to the
+    largest blocks."""
+    length, block, bits = 4096, 256, 4
+    x = _unequal_blocks(4, length, block, spread=2.0, seed=11)
+    scales = x.view(4, -1, block).abs().amax(-1)
+    assert torch.equal(block_widths(scales, length, bits, block, floor=bits), torch.full_like(scales, bits).long())
+    fixed = K.dequantize(*K.quantize(x, bits, block), bits=bits, block_size=block, length=length)
+
+    x.view(4, -1, block)[:, ::4] = 0  # a quarter of the blocks all zero: their bits are free
+    scales = x.view(4, -1, block).abs().amax(-1)
+    widths = block_widths(scales, length, bits, block, floor=bits)
+    used = scales > 0
+    assert (widths[used] >= bits).all() and (widths[~used] == 0).all()
+    assert ((widths * block).sum(-1) <= 8 * K.packed_length(length, bits)).all()
+    largest = scales.argmax(-1, keepdim=True)
+    assert (widths.gather(-1, largest) > bits).all(), "the largest block of each row gets the freed bits"
+    restored = round_trip_with_widths(x, widths, block)
+    bound = (scales / (2 ** (bits - 1) - 1) / 2 * 1.0001)[..., None]  # half a fixed-width step per element
+    assert ((restored - x).view(4, -1, block).abs() <= bound).all()
+    fixed = K.dequantize(*K.quantize(x, bits, block), bits=bits, block_size=block, length=length)
+    unfloored = round_trip_with_widths(x, block_widths(scales, length, bits, block), block)
+    # less error than the fixed width (the freed bits), more than the unfloored rule (which also trades bits
+    # between non-zero blocks)
+    assert _relative_error(unfloored, x) < _relative_error(restored, x) < _relative_error(fixed, x) / 1.5
+
+
+def test_a_floor_that_cannot_fit_is_lowered_to_the_largest_width_that_does():
+    """517 elements in blocks of 64: the short last block is padded to 8 codes, so 4 bits on every block would
+    take 4 bits more than the fixed format's 259 bytes. A row without a zero block gets a floor of 3 and fits; a row
+    with one keeps 4."""
+    x = _unequal_blocks(2, 517, 64, spread=1.0, seed=3)
+    x[1, :64] = 0
+    scales = torch.stack([x[:, i * 64:(i + 1) * 64].abs().amax(-1) for i in range(9)], -1)
+    widths = block_widths(scales, 517, 4, 64, floor=4)
+    counts = torch.tensor([64] * 8 + [8])
+    assert ((widths * counts).sum(-1) <= 8 * K.packed_length(517, 4)).all()
+    assert widths[0].min() == 3 and widths[1, 1:].min() == 4 and widths[1, 0] == 0
+    with pytest.raises(ValueError, match="floor=1 must be 0"):
+        block_widths(scales, 517, 4, 64, floor=1)
 
 
 @pytest.mark.parametrize("spread,lowest_gain", [(1.0, 2.0), (2.0, 6.0)])

@@ -58,20 +58,22 @@ def _padded_counts(length: int, block_size: int, device: torch.device) -> torch.
     return -(-counts // _GROUP) * _GROUP
 
 
-def block_widths(scales: torch.Tensor, length: int, bits: int, block_size: int) -> torch.Tensor:
-    """The width of every block of rows ``(rows, blocks)`` of absmax scales, int64 (see the module docstring)."""
+def block_widths(scales: torch.Tensor, length: int, bits: int, block_size: int, floor: int = 0) -> torch.Tensor:
+    """The width of every block of rows ``(rows, blocks)`` of absmax scales, int64 (see the module docstring);
+    with ``floor``, no block with a usable scale gets fewer than ``floor`` bits (see ``_row_floors``)."""
     rows = scales.reshape(-1, scales.shape[-1])
     usable = torch.isfinite(rows) & (rows > 0)
     key = torch.where(usable, rows, torch.ones_like(rows)).view(torch.int32).to(torch.int64)
     counts = _padded_counts(length, block_size, rows.device)
     budget = 8 * packed_length(length, bits)
+    floors = _row_floors(usable, counts, budget, floor)
 
     def widths_at(offset: torch.Tensor) -> torch.Tensor:
-        widths = ((key + offset[:, None]) >> _KEY_SHIFT).clamp(0, MAX_WIDTH)
+        widths = torch.maximum(((key + offset[:, None]) >> _KEY_SHIFT).clamp(0, MAX_WIDTH), floors)
         return torch.where(usable & (widths != 1), widths, torch.zeros_like(widths))
 
     # the largest offset whose cost fits, by bisection; the cost only grows with the offset
-    low = torch.full((rows.shape[0],), -(1 << 32), dtype=torch.int64, device=rows.device)  # every width 0: fits
+    low = torch.full((rows.shape[0],), -(1 << 32), dtype=torch.int64, device=rows.device)  # every width the floor
     high = torch.full_like(low, 1 << 32)  # every usable width MAX_WIDTH: may not fit
     fits_high = (widths_at(high) * counts).sum(-1) <= budget
     low = torch.where(fits_high, high, low)
@@ -81,6 +83,23 @@ def block_widths(scales: torch.Tensor, length: int, bits: int, block_size: int) 
         low = torch.where(fits, middle, low)
         high = torch.where(fits, high, middle)
     return widths_at(low).view(scales.shape)
+
+
+def _row_floors(usable: torch.Tensor, counts: torch.Tensor, budget: int, floor: int) -> torch.Tensor:
+    """Per row ``(rows, 1)``: the least width of a usable block, ``floor`` or, where the row's usable blocks cannot
+    all have it in the budget (a short last block is padded to 8 codes), the largest width below it that fits.
+
+    Why: with ``floor`` = the fixed format's width no block is coarser than in the fixed format, so the only bits
+    that move are those the fixed format spends on all-zero blocks (the 1-D slices qgZ sends apart, embedding rows
+    no token used). scripts/fidelity.py compares that rule with the unfloored one, to tell which part of the
+    allocation's gain is free and which part takes precision from small blocks."""
+    if not 0 <= floor <= MAX_WIDTH or floor == 1:
+        raise ValueError(f"floor={floor} must be 0 (none) or a width from 2 to {MAX_WIDTH}")
+    usable_counts = (usable.to(torch.int64) * counts).sum(-1, keepdim=True)
+    floors = torch.zeros_like(usable_counts)
+    for width in range(2, floor + 1):
+        floors = torch.where(width * usable_counts <= budget, torch.full_like(floors, width), floors)
+    return floors
 
 
 def _steps(absmax: torch.Tensor, widths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
