@@ -108,7 +108,6 @@ def test_a_floor_at_the_fixed_width_moves_only_the_bits_of_all_zero_blocks():
     x = _unequal_blocks(4, length, block, spread=2.0, seed=11)
     scales = x.view(4, -1, block).abs().amax(-1)
     assert torch.equal(block_widths(scales, length, bits, block, floor=bits), torch.full_like(scales, bits).long())
-    fixed = K.dequantize(*K.quantize(x, bits, block), bits=bits, block_size=block, length=length)
 
     x.view(4, -1, block)[:, ::4] = 0  # a quarter of the blocks all zero: their bits are free
     scales = x.view(4, -1, block).abs().amax(-1)

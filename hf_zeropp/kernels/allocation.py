@@ -73,7 +73,7 @@ def block_widths(scales: torch.Tensor, length: int, bits: int, block_size: int, 
         return torch.where(usable & (widths != 1), widths, torch.zeros_like(widths))
 
     # the largest offset whose cost fits, by bisection; the cost only grows with the offset
-    low = torch.full((rows.shape[0],), -(1 << 32), dtype=torch.int64, device=rows.device)  # every width the floor
+    low = torch.full((rows.shape[0],), -(1 << 32), dtype=torch.int64, device=rows.device)  # every usable width its row's floor: fits
     high = torch.full_like(low, 1 << 32)  # every usable width MAX_WIDTH: may not fit
     fits_high = (widths_at(high) * counts).sum(-1) <= budget
     low = torch.where(fits_high, high, low)
