@@ -39,7 +39,11 @@ Adam expects, what Adam's normalization asks for). Deterministic (seeded); minut
 The table of where the Adam-normalized error lies splits it between the "surprising" elements (the exact gradient
 beyond SURPRISE times the root of the run's own second moment before the step: Adam normalizes them to about
 sqrt((1 - beta2**t) / (1 - beta2)), the rest to about 1) and the others. An option whose error concentrates there
-delivers too little exactly where the run's second moment has fallen behind the gradient.
+delivers too little exactly where the run's second moment has fallen behind the gradient. In a driven run the
+delivery table says whether the driving option had starved those elements before the step: per element, moving
+averages with Adam's beta2 of the energy it delivered and of the exact energy (what the run's v holds against what
+the exact run's would), the share of steps it delivered an exact 0 where the gradient was not 0, and the share of its
+Adam-normalized error that lies on the elements it had given less than half their exact energy.
 
 ``--candidate`` measures only the named gradient rows (after ZeRO++'s own), which makes long windows affordable.
 ``--drive`` trains on one candidate's results instead of the exact ones, so every candidate is measured along that
@@ -114,6 +118,11 @@ WIDTH_RULES = ("fixed 4 bits (ZeRO++)", "absmax: least L2 error (gradient_bit_al
 RULE_HADAMARD, RULE_BITS, RULE_HISTORY_DECAY = 64, 4, 0.99
 # an element is "surprising" Adam when its exact gradient exceeds this many times its root second moment before the step
 SURPRISE = 3.0
+# delivered/exact energy (Deliveries) thresholds: starved, half-starved, over-delivered (quantization noise)
+DELIVERY_BINS = (0.1, 0.5, 2.0)
+DELIVERY_COLUMNS = ("elements", "no exact gradient before", "delivered energy < 0.1 of the exact",
+                    "< 0.5", ">= 2", "steps delivered as exactly 0",
+                    "driving option's error on those < 0.5 (share of all its error)")
 WEIGHT_CANDIDATES: dict[str, dict[str, Any]] = {
     "ZeRO++ qwZ (int8, block 256, 1-D in full precision)": {},
     "1-D parameters quantized too": {"weight_full_precision_1d": False},
@@ -206,6 +215,40 @@ class AdamNormalizer:
         return (gradient * self.factor).abs() > SURPRISE * typical
 
 
+class Deliveries:
+    """What the driving candidate has delivered to each element so far, as Adam's second moment remembers it: moving
+    averages (Adam's beta2) of the delivered q^2 and the exact x^2, of the steps at which q was exactly 0 while x was
+    not, and of the steps at which x was not 0. Their ratios say whether the run's v had been starved (q^2 well below
+    x^2, or q often 0) on an element before a step, independently of where the error then lands."""
+
+    def __init__(self) -> None:
+        self.averages: dict[int, torch.Tensor] = {}  # unit -> (4, numel) float64
+
+    def observe(self, unit: int, delivered: torch.Tensor, exact: torch.Tensor, beta2: float) -> torch.Tensor:
+        """The averages before this step (a copy), then folds the step in."""
+        averages = self.averages.setdefault(unit, torch.zeros(4, exact.numel(), dtype=torch.float64))
+        before = averages.clone()
+        nonzero = exact != 0
+        step = torch.stack((delivered.pow(2), exact.pow(2), (nonzero & (delivered == 0)).double(), nonzero.double()))
+        averages.mul_(beta2).add_(step, alpha=1 - beta2)
+        return before
+
+    @staticmethod
+    def bins(before: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+        """Per element (over the columns of ``before``): [1, no exact gradient before, delivered/exact energy below
+        DELIVERY_BINS[0], below DELIVERY_BINS[1], at least DELIVERY_BINS[2], share of steps delivered as 0, ``error``
+        where the energy is below DELIVERY_BINS[1]] (from the third on, only where there was an exact gradient
+        before); DELIVERY_COLUMNS names them."""
+        delivered, exact, zeros, nonzero = before
+        seen = exact > 0
+        ratio = delivered / exact.clamp_min(1e-300)
+        low, lower, high = DELIVERY_BINS
+        return torch.stack((torch.ones_like(exact), (~seen).double(), (seen & (ratio < low)).double(),
+                            (seen & (ratio < lower)).double(), (seen & (ratio >= high)).double(),
+                            torch.where(seen, zeros / nonzero.clamp_min(1e-300), 0.0),
+                            torch.where(seen & (ratio < lower), error, 0.0)))
+
+
 class MeasuredGradient(NamedTuple):
     """One unit's gradients in a measured step, kept until the optimizer step that consumes them has run."""
 
@@ -218,6 +261,7 @@ class MeasuredGradient(NamedTuple):
     rotated: torch.Tensor  # for the width-rule table (WidthRules.observe)
     history_key: torch.Tensor
     before: tuple  # adam_moments before the step
+    delivered: torch.Tensor | None  # the driving candidate's Deliveries averages before the step (None: no drive)
 
 
 class ParameterClasses:
@@ -255,6 +299,9 @@ class Probe:
         # over [all elements, the surprised ones]: each candidate's Adam-normalized squared error, then the
         # normalized exact gradient's squared norm, then the number of elements
         self.surprise = torch.zeros(len(candidates) + 2, 2, dtype=torch.float64)
+        self.deliveries = Deliveries()
+        # Deliveries.bins summed over [the surprised elements, the others] (driven runs only)
+        self.delivery = torch.zeros(2, len(DELIVERY_COLUMNS), dtype=torch.float64)
         self.scaled = False  # whether this step had Adam state to weight with
         self.window_scaled = True  # whether every step of this window had
         self.optimizer: Any = None
@@ -292,7 +339,15 @@ class Probe:
                 running = self.window[(c, measured.unit)][0]
                 running[2] += result - normalized_exact
                 running[3] += normalized_exact
-            self.locate_error(measured.positions, normalize.surprised(measured.exact), normalized, normalized_exact)
+            surprised = normalize.surprised(measured.exact)
+            self.locate_error(measured.positions, surprised, normalized, normalized_exact)
+            if measured.delivered is not None:
+                where = torch.cat(measured.positions)
+                error = (normalized[self.drive][where] - normalized_exact[where]).pow(2)
+                bins = Deliveries.bins(measured.delivered[:, where], error)
+                inside = surprised[where]
+                self.delivery[0] += bins[:, inside].sum(-1)
+                self.delivery[1] += bins[:, ~inside].sum(-1)
             self.rules.measure(self, measured.positions, measured.exact, measured.rotated, measured.history_key,
                                normalize, after[1])
         self.pending.clear()
@@ -308,11 +363,14 @@ class Probe:
             self.surprise[row, 0] += values.sum()
             self.surprise[row, 1] += values[inside].sum()
 
-    def reduce_surprise(self) -> list:
-        totals = self.surprise.clone()
+    def reduce_error_location(self) -> tuple[list, list]:
+        """This step's surprise and delivery sums over all ranks; zeroes them."""
+        totals = torch.cat((self.surprise.flatten(), self.delivery.flatten()))
         dist.all_reduce(totals)
+        surprise, delivery = totals.split((self.surprise.numel(), self.delivery.numel()))
         self.surprise.zero_()
-        return totals.tolist()
+        self.delivery.zero_()
+        return surprise.view_as(self.surprise).tolist(), delivery.view_as(self.delivery).tolist()
 
     def start_window(self) -> None:
         self.window.clear()
@@ -361,8 +419,11 @@ class GradientProbe(ReduceScatter):
         numel, group_size = output_tensor.numel(), dist.get_world_size(group)
         positions = self.probe.classes.positions(self.unit, True, numel, group_size)
         exact = output_tensor.double()
+        delivered = None
         if drive is not None:
             output_tensor.copy_(results[drive])  # the model trains on the driving candidate's gradients
+            beta2 = getattr(self.probe.optimizer, "optimizer", self.probe.optimizer).param_groups[0]["betas"][1]
+            delivered = self.probe.deliveries.observe(self.index, results[drive].double(), exact, beta2)
         rotated, history_key = self.probe.rules.observe(self.index, exact, positions)  # every step: the history
         if not self.probe.active:
             return work
@@ -377,7 +438,8 @@ class GradientProbe(ReduceScatter):
         spans = parameter_spans(self.unit, True, numel, group_size)
         consumed = exact if drive is None else results[drive]
         self.probe.pending.append(MeasuredGradient(self.index, spans, positions, exact, consumed, results, rotated,
-                                                   history_key, adam_moments(self.probe.optimizer, spans, numel)))
+                                                   history_key, adam_moments(self.probe.optimizer, spans, numel),
+                                                   delivered))
         return work
 
 
@@ -536,12 +598,13 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
             self.probe.active = False
             self.probe.weigh_by_adam()  # on_step_end runs after the optimizer step
             scaled = self.probe.scaled_gradient_sums.reduce_and_reset().tolist()
-            surprise = self.probe.reduce_surprise()
+            surprise, delivery = self.probe.reduce_error_location()
             self.probe.window_scaled &= self.probe.scaled
             per_step[step] = {"gradients": self.probe.gradient_sums.reduce_and_reset().tolist(),
                               "weights": self.probe.weight_sums.reduce_and_reset().tolist(),
                               "adam_scaled_gradients": scaled if self.probe.scaled else None,
                               "surprise": surprise if self.probe.scaled else None,
+                              "delivery": delivery if self.probe.scaled and drive is not None else None,
                               "width_rules": self.probe.rules.sums.reduce_and_reset().tolist(),
                               "adam_scaled_width_rules": (self.probe.rules.scaled_sums.reduce_and_reset().tolist()
                                                           if self.probe.scaled else None)}
@@ -621,6 +684,18 @@ def summarize(result: dict) -> dict:
             elsewhere = (error[0] - error[1]) / (energy[0] - energy[1]).clamp_min(1e-300)
             row["error_on_surprised"] = {"share_of_squared_error": (error[1] / error[0].clamp_min(1e-300)).item(),
                                          "relative_error_elsewhere": elsewhere.sqrt().item()}
+    delivery = [step["delivery"] for step in result["steps"].values() if step["delivery"] is not None]
+    deliveries = None
+    if delivery:  # recorded at the same steps as the surprise sums, which hold the driving option's whole error
+        driving_error = max(totals[names.index(result["drive"])][0].item(), 1e-300)
+        deliveries = {}
+        for group, (elements, unseen, *shares, starved_error) in zip(
+                ("surprised", "others"), torch.tensor(delivery, dtype=torch.float64).sum(0).tolist()):
+            seen = max(elements - unseen, 1e-300)
+            deliveries[group] = {"elements": elements,
+                                 "share_without_earlier_gradient": unseen / max(elements, 1e-300),
+                                 **{column: value / seen for column, value in zip(DELIVERY_COLUMNS[2:-1], shares)},
+                                 DELIVERY_COLUMNS[-1]: starved_error / driving_error}
     rules = table("width_rules", list(WIDTH_RULES))
     scaled_rules = table("adam_scaled_width_rules", list(WIDTH_RULES))
     for c, row in enumerate(rules):
@@ -630,6 +705,7 @@ def summarize(result: dict) -> dict:
             "last_step": result["last_step"], "gradients": gradients, "weights": weights, "width_rules": rules,
             "surprised": None if not surprise else {"share_of_elements": (count[1] / count[0]).item(),
                                                     "share_of_normalized_energy": (energy[1] / energy[0]).item()},
+            "deliveries": deliveries,
             "measured_steps": sorted(int(s) for s in result["steps"])}
 
 
@@ -678,6 +754,22 @@ def surprise_table(topology: str, summary: dict) -> list[str]:
     return lines
 
 
+def delivery_table(topology: str, summary: dict) -> list[str]:
+    """Whether the driving option had starved the surprising elements before the step (Deliveries)."""
+    deliveries = summary["deliveries"]
+    if deliveries is None:
+        return []
+    lines = ["", f"### {topology}: what {summary['drive']!r} had delivered before the step (moving averages with "
+             "Adam's beta2; the energy columns and the zero share over the elements that had an exact gradient "
+             "before)", "",
+             "| elements | count (all steps) | no exact gradient before | " + " | ".join(DELIVERY_COLUMNS[2:]) + " |",
+             "|---|" + "---:|" * (len(DELIVERY_COLUMNS))]
+    for group, cells in deliveries.items():
+        lines.append(f"| {group} | {cells['elements']:,.0f} | {cells['share_without_earlier_gradient']:.1%} | "
+                     + " | ".join(f"{cells[column]:.1%}" for column in DELIVERY_COLUMNS[2:]) + " |")
+    return lines
+
+
 def markdown(topology: str, summary: dict) -> str:
     steps = summary["measured_steps"]
     reference = summary["gradients"][0]["all"]["relative_error"]
@@ -708,6 +800,7 @@ def markdown(topology: str, summary: dict) -> str:
                          + ("—" if window is None else f"{window:.4f}") + " |")
     lines += horizon_table(topology, summary)
     lines += surprise_table(topology, summary)
+    lines += delivery_table(topology, summary)
     rule_classes = ("matrices", "embeddings", "all")
     fixed = summary["width_rules"][0]
     scaled = "adam_scaled" in fixed

@@ -110,6 +110,7 @@ def test_adam_normalized_gradient_fidelity(fidelity):
     # the surprising elements (AdamNormalizer.surprised) are few and carry more than their number's share
     surprised = fidelity["surprised"]
     assert 0 < surprised["share_of_elements"] < surprised["share_of_normalized_energy"] < 1
+    assert fidelity["deliveries"] is None  # followed only for a driving option
     for name, row in rows.items():
         located = row["error_on_surprised"]
         assert 0 < located["share_of_squared_error"] < 1 and located["relative_error_elsewhere"] > 0, name
@@ -148,6 +149,31 @@ def test_adam_normalizer_is_the_step_adam_takes():
     # surprising: applied beyond 3x the root of v_hat before the step, which after one step is |first gradient|:
     # the element that was 0 (6), and the one that grew from 1e-4 to 5e-4 (4); -1 against 3 (5) is not
     assert normalize.surprised(exact).nonzero().flatten().tolist() == [4, 6]
+
+
+def test_deliveries_follow_what_the_driving_option_sent():
+    """Moving averages with beta2 = 0.5 over two steps, by hand: an element always sent exactly is not starved, one
+    sent as 0 while its gradient was 2 is (energy 0, zero share 1), one never with a gradient is counted apart, and
+    one sent 3x too large is over-delivered; the error column keeps the given error where the energy is < 0.5."""
+    import torch
+
+    import fidelity
+
+    deliveries = fidelity.Deliveries()
+    steps = [([1.0, 0.0, 2.0, 3.0], [1.0, 0.0, 0.0, 3.0]), ([1.0, 1.0, 2.0, 3.0], [0.0, 1.0, 0.0, 9.0])]
+    before = [deliveries.observe(0, torch.tensor(sent, dtype=torch.float64), torch.tensor(exact, dtype=torch.float64),
+                                 0.5) for exact, sent in steps]
+    assert not before[0].any()  # nothing delivered before the first step
+    last = deliveries.observe(0, torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64), 0.5)
+    error = torch.tensor([10.0, 20.0, 30.0, 40.0], dtype=torch.float64)
+    # columns: element, no exact gradient before, energy < 0.1, < 0.5, >= 2, zero share, error where < 0.5
+    expected_after_one = [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 0, 1, 1, 0, 1, 30], [1, 0, 0, 0, 0, 0, 0]]
+    assert fidelity.Deliveries.bins(before[1], error).T.tolist() == expected_after_one
+    # after two: energies 0.25/0.75, 0.5/0.5, 0/3, 42.75/6.75; zeros 0.5/0.75, 0/0.5, 0.75/0.75, 0/0.75
+    bins = fidelity.Deliveries.bins(last, error).T
+    assert bins[:, :5].tolist() == [[1, 0, 0, 1, 0], [1, 0, 0, 0, 0], [1, 0, 1, 1, 0], [1, 0, 0, 0, 1]]
+    torch.testing.assert_close(bins[:, 5], torch.tensor([2 / 3, 0.0, 1.0, 0.0], dtype=torch.float64))
+    assert bins[:, 6].tolist() == [10, 0, 30, 0]
 
 
 def test_width_rule_quantizer_is_the_allocation_format(fidelity_out):
@@ -261,6 +287,13 @@ def test_a_driven_run_is_the_engines_own_qgz_training(tmp_path):
                           "--drive", "Hadamard 64 + 8-bit intra", "--out", str(tmp_path / "driven")]) == 0
     driven = json.loads((tmp_path / "driven" / "results.json").read_text())["2x2"]
     assert driven["drive"] == "Hadamard 64 + 8-bit intra" and driven["last_step"] == 2
+    # what the driving option delivered is followed over both measured steps: at the first no element had a
+    # gradient before, at the second most had
+    deliveries = driven["deliveries"]
+    elements = deliveries["surprised"]["elements"] + deliveries["others"]["elements"]
+    assert elements > 0 and 0 < deliveries["others"]["share_without_earlier_gradient"] < 1
+    for cells in deliveries.values():
+        assert all(0 <= value <= 1 for key, value in cells.items() if key != "elements")
     engine = run_distributed(_engine_validation_loss, 4, {"preset": "zeropp-qgz", "gradient_hadamard": 64,
                                                           "gradient_intra_bits": 8}, 2, str(tmp_path / "qgz"),
                              node_size=2)[0]
