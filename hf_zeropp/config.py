@@ -153,6 +153,11 @@ class ZeroPPConfig:
         False, QGZ, "qgZ: the inter-node hop gives each block a width from 0 to 8 bits by its scale (more bits to "
                     "larger blocks), averaging `gradient_bits` in the same bytes: least L2 error, not least Adam "
                     "update error (it raised one measured case's loss); plain torch, no compiled kernel")
+    gradient_bit_allocation_floor: int = _option(
+        0, QGZ, "with `gradient_bit_allocation`: no nonzero block gets fewer bits than this (0 = no floor; 2 to "
+                "`gradient_bits`); 2 forbids sending a nonzero block as zeros (on the measured Llama case that ended "
+                "the starvation of small blocks, not the loss cost), `gradient_bits` moves only the bits of all-zero "
+                "blocks")
     gradient_full_precision_1d: bool = _option(
         True, QGZ, "qgZ: 1-D parameters (biases, norm gains) reduce-scattered in the reduce dtype, as DeepSpeed's "
                    "qgZ does; False quantizes them with the matrices")
@@ -192,6 +197,7 @@ class ZeroPPConfig:
                 )
         self._check_gradient_hadamard()
         self._check_error_feedback()
+        self._check_bit_allocation()
         if self.qgz_pipeline_stages < 1:
             raise ValueError(f"qgz_pipeline_stages={self.qgz_pipeline_stages} must be >= 1")
         if self.node_size is not None and self.node_size < 1:
@@ -227,6 +233,16 @@ class ZeroPPConfig:
         if tuning and not self.gradient_error_feedback:
             raise ValueError(f"{', '.join(f'{k}={v}' for k, v in tuning.items())} tune error feedback, which is off; "
                              f"set gradient_error_feedback: true (or remove them)")
+
+    def _check_bit_allocation(self) -> None:
+        floor = self.gradient_bit_allocation_floor
+        if floor and not self.gradient_bit_allocation:
+            raise ValueError(f"gradient_bit_allocation_floor={floor} bounds per-block widths, which are off; set "
+                             f"gradient_bit_allocation: true (or remove it)")
+        if floor and not 2 <= floor <= self.gradient_bits:
+            raise ValueError(f"gradient_bit_allocation_floor={floor} must be 0 (no floor) or a width from 2 to "
+                             f"gradient_bits={self.gradient_bits}: a floor above the average width cannot fit in "
+                             f"the fixed format's bytes; e.g. 2")
 
     def _check_fields(self) -> None:
         """Every field's value against the type of its annotation (an integer where a float is expected becomes a

@@ -42,15 +42,17 @@ class BlockQuantizedPayload:
     With ``hadamard`` the rows are rotated before the first quantization and rotated back only after the last
     reduction: the middle reduction sums rotated rows, which is the rotated sum. With ``allocate_bits`` the hop that
     crosses nodes uses per-block widths chosen from the block scales at the same bytes
-    (:mod:`hf_zeropp.kernels.allocation`); the intra-node hop keeps the fixed format and its fused kernels."""
+    (:mod:`hf_zeropp.kernels.allocation`), no usable block below ``width_floor`` bits; the intra-node hop keeps the
+    fixed format and its fused kernels."""
 
     def __init__(self, block_size: int, stochastic: bool, hadamard: int = 0,
-                 backend: kernels.Backend | None = None, allocate_bits: bool = False) -> None:
+                 backend: kernels.Backend | None = None, allocate_bits: bool = False, width_floor: int = 0) -> None:
         self.block_size = block_size
         self.stochastic = stochastic
         self.hadamard = hadamard
         self.backend = backend
         self.allocate_bits = allocate_bits
+        self.width_floor = width_floor
 
     def swizzle(self, flat, nodes, node_size, stages, bits, seed):
         if self.allocate_bits and node_size == 1 and nodes > 1:  # one rank per node: the first hop crosses nodes
@@ -65,14 +67,15 @@ class BlockQuantizedPayload:
         """The quantizer of the hop that crosses nodes, on fp32 rows (rotated when ``hadamard`` is on)."""
         if self.allocate_bits:
             return kernels.Quantized(*quantize_allocated(rows, bits, self.block_size, stochastic=self.stochastic,
-                                                         seed=seed))
+                                                         seed=seed, floor=self.width_floor))
         return kernels.quantize(rows, bits, self.block_size, stochastic=self.stochastic, seed=seed,
                                 backend=self.backend)
 
     def dequantize_inter(self, codes, scales, bits, length) -> torch.Tensor:
         """Inverse of :meth:`quantize_inter`, still in the rotated domain."""
         if self.allocate_bits:
-            return dequantize_allocated(codes, scales, bits=bits, block_size=self.block_size, length=length)
+            return dequantize_allocated(codes, scales, bits=bits, block_size=self.block_size, length=length,
+                                        floor=self.width_floor)
         return kernels.dequantize(codes, scales, bits=bits, block_size=self.block_size, length=length,
                                   backend=self.backend)
 
@@ -101,7 +104,10 @@ class BlockQuantizedPayload:
                                   hadamard=self.hadamard, backend=self.backend)
 
     def describe(self) -> str:
-        return ", per-block bit widths on the inter-node hop (plain torch)" if self.allocate_bits else ""
+        if not self.allocate_bits:
+            return ""
+        floor = f", at least {self.width_floor} bits per nonzero block" if self.width_floor else ""
+        return f", per-block bit widths on the inter-node hop{floor} (plain torch)"
 
 
 class ErrorFeedback:
@@ -204,7 +210,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
     def __init__(self, meter: CommMeter, topology: Topology, intra_bits: int, inter_bits: int, block_size: int,
                  stages: int, stochastic: bool, seed: int, enabled: bool = True, hadamard: int = 0,
                  error_feedback: bool = False, error_feedback_decay: float = 0.0, error_feedback_reset: int = 0,
-                 allocate_bits: bool = False, vector_slices: VectorSlices | None = None,
+                 allocate_bits: bool = False, width_floor: int = 0, vector_slices: VectorSlices | None = None,
                  payload: BlockQuantizedPayload | FullPrecisionPayload | None = None,
                  backend: kernels.Backend | None = None) -> None:
         self.meter = meter
@@ -218,7 +224,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.enabled = enabled  # schedules switch qgZ off and on between steps
         self.hadamard = hadamard
         self.backend = backend
-        self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard, backend, allocate_bits)
+        self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard, backend, allocate_bits,
+                                                                  width_floor)
         self.feedback = (ErrorFeedback(self.payload, error_feedback_decay, error_feedback_reset)
                          if error_feedback else None)
         self.vector_slices = vector_slices
@@ -407,6 +414,7 @@ def make_reduce_scatter(config: ZeroPPConfig, topology: Topology, meter: CommMet
         error_feedback_decay=config.gradient_error_feedback_decay,
         error_feedback_reset=config.gradient_error_feedback_reset,
         allocate_bits=config.gradient_bit_allocation,
+        width_floor=config.gradient_bit_allocation_floor,
         vector_slices=VectorSlices(module, trainable_only=True) if config.gradient_full_precision_1d else None,
         backend=config.kernel_backend,
     )

@@ -30,8 +30,8 @@ The width-rule table isolates the choice of per-block bit widths on the inter-no
 reduced shard (1-D slices left out, Hadamard 64, the candidates' block size, 4.125 bits per value on average, as
 qgZ's INT4 hop) with the fixed width, with ``gradient_bit_allocation``'s rule (wider where the block's absmax is
 larger: least L2 error), with that rule held to at least the fixed width on every block that is not all zero (so the
-only bits that move are those the fixed format spends on zero blocks: which part of the gain is free), with a rule
-both ends of the hop could follow at no extra byte (the block's absmax over the
+only bits that move are those the fixed format spends on zero blocks: which part of the gain is free), with it held
+to 2 bits (``gradient_bit_allocation_floor: 2``: no nonzero block is sent as zeros), with a rule both ends of the hop could follow at no extra byte (the block's absmax over the
 root of a moving average of its own past squared absmax: wider where a block is larger than it usually is), and with
 an oracle no sender has (absmax over the block's RMS of the owner's sqrt(v): wider where a block is larger than
 Adam expects, what Adam's normalization asks for). Deterministic (seeded); minutes on 2 cores.
@@ -106,6 +106,9 @@ GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
     "bit allocation (inter-node hop)": {"gradient_bit_allocation": True},
     "Hadamard 64 + 8-bit intra + bit allocation": {"gradient_hadamard": 64, "gradient_intra_bits": 8,
                                                    "gradient_bit_allocation": True},
+    "Hadamard 64 + 8-bit intra + bit allocation, floor 2": {"gradient_hadamard": 64, "gradient_intra_bits": 8,
+                                                           "gradient_bit_allocation": True,
+                                                           "gradient_bit_allocation_floor": 2},
     "Hadamard 64 + 8-bit intra + bit allocation + LoCo (decay 0.5)": {
         "gradient_hadamard": 64, "gradient_intra_bits": 8, "gradient_bit_allocation": True,
         "gradient_error_feedback": True, "gradient_error_feedback_decay": 0.5},
@@ -113,6 +116,7 @@ GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
 # ways of choosing the inter-node hop's per-block widths, compared on one quantization of the exact shard
 WIDTH_RULES = ("fixed 4 bits (ZeRO++)", "absmax: least L2 error (gradient_bit_allocation)",
                "absmax, no block below 4 bits unless all zero (bits move only from zero blocks)",
+               "absmax, no block below 2 bits unless all zero (gradient_bit_allocation_floor: 2)",
                "absmax / RMS of its past absmax (moving average 0.99)",
                "oracle: absmax / the block's RMS of the owner's sqrt(v)")
 RULE_HADAMARD, RULE_BITS, RULE_HISTORY_DECAY = 64, 4, 0.99
@@ -476,7 +480,7 @@ class WidthRules:
         typical = second.view(1, -1, self.block_size).mean(-1).sqrt()  # the block's RMS gradient, as Adam knows it
         oracle_key = torch.where(absmax > 0, absmax / typical.clamp_min(1e-30), torch.zeros_like(absmax))
         normalized_exact = normalize(exact)
-        rules = ((None, 0), (absmax, 0), (absmax, RULE_BITS), (history_key, 0), (oracle_key, 0))
+        rules = ((None, 0), (absmax, 0), (absmax, RULE_BITS), (absmax, 2), (history_key, 0), (oracle_key, 0))
         for r, (key, floor) in enumerate(rules):
             widths = (torch.full(absmax.shape, RULE_BITS, dtype=torch.int64) if key is None
                       else block_widths(key, length, RULE_BITS, self.block_size, floor))

@@ -146,6 +146,12 @@ BAD_CONFIGS = [
      "gradient_error_feedback_reset=-1 must be >= 0 (0 = never reset)"),
     (dict(gradient_error_feedback_decay=0.5), ValueError,
      "gradient_error_feedback_decay=0.5 tune error feedback, which is off; set gradient_error_feedback: true"),
+    (dict(gradient_bit_allocation_floor=2), ValueError,
+     "gradient_bit_allocation_floor=2 bounds per-block widths, which are off; set gradient_bit_allocation: true"),
+    (dict(gradient_bit_allocation=True, gradient_bit_allocation_floor=1), ValueError,
+     "gradient_bit_allocation_floor=1 must be 0 (no floor) or a width from 2 to gradient_bits=4"),
+    (dict(gradient_bit_allocation=True, gradient_bit_allocation_floor=5), ValueError,
+     "gradient_bit_allocation_floor=5 must be 0 (no floor) or a width from 2 to gradient_bits=4"),
 ]
 
 

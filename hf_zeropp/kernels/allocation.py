@@ -21,7 +21,9 @@ Format (rows along the last dimension, ``(..., L)``; blocks of ``block_size`` el
   and a width of 1 (a single level, zero) is taken as 0. A zero or non-finite scale gets width 0. ``T`` is the
   largest integer for which the row's code bytes, ``sum(b * ceil8(n) / 8)`` over its blocks of ``n`` elements,
   fit in ``packed_length(L, bits)`` bytes — the row size of the fixed ``bits``-wide format. Equal scales give every
-  block ``bits`` (when ``L`` is a multiple of 8), and then the codes are those of the fixed format.
+  block ``bits`` (when ``L`` is a multiple of 8), and then the codes are those of the fixed format. With a
+  ``floor`` (``gradient_bit_allocation_floor``), no block with a usable scale gets fewer than ``floor`` bits where
+  the row can afford it (see ``_row_floors``); sender and receiver must use the same floor.
 * Codes: ``q = x / step`` rounded half to even (or ``floor(x / step + u)`` with the reference's counter-based
   uniform ``u`` for stochastic rounding), clamped to ``[-qmax, qmax]``, ``qmax = 2**(b - 1) - 1``, ``step =
   absmax / qmax`` in fp32. Stored as ``q + qmax`` in ``b`` bits; every 8 codes (a block is padded with zeros to a
@@ -92,7 +94,10 @@ def _row_floors(usable: torch.Tensor, counts: torch.Tensor, budget: int, floor: 
     Why: with ``floor`` = the fixed format's width no block is coarser than in the fixed format, so the only bits
     that move are those the fixed format spends on all-zero blocks (the 1-D slices qgZ sends apart, embedding rows
     no token used). scripts/fidelity.py compares that rule with the unfloored one, to tell which part of the
-    allocation's gain is free and which part takes precision from small blocks."""
+    allocation's gain is free and which part takes precision from small blocks. A floor of 2 keeps most of the
+    trade and only forbids sending a nonzero block as all zeros, which the unfloored rule does to the same small
+    blocks step after step (starving Adam's second moment there). On the measured Llama case it ended that
+    starvation but not the loss cost (README, "A 2-bit floor ends the starvation")."""
     if not 0 <= floor <= MAX_WIDTH or floor == 1:
         raise ValueError(f"floor={floor} must be 0 (none) or a width from 2 to {MAX_WIDTH}")
     usable_counts = (usable.to(torch.int64) * counts).sum(-1, keepdim=True)
@@ -145,7 +150,7 @@ def _layout(widths: torch.Tensor, length: int, block_size: int, row_bytes: int):
 
 
 def quantize_allocated(x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False,
-                       seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                       seed: int = 0, floor: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``(..., L)`` -> (int8 codes ``(..., packed_length(L, bits))``, fp32 absmax scales ``(..., blocks)``)."""
     _check_block_size(block_size)
     length = x.shape[-1]
@@ -154,7 +159,7 @@ def quantize_allocated(x: torch.Tensor, bits: int, block_size: int, *, stochasti
     row_bytes = packed_length(length, bits)
     blocked = _blocked(rows, block_size)  # (rows, blocks, block_size), zero padded
     absmax = blocked.abs().amax(-1)
-    widths = block_widths(absmax, length, bits, block_size)
+    widths = block_widths(absmax, length, bits, block_size, floor)
     codes, qmax, _ = _round(blocked, absmax, widths, length, stochastic, seed)
     unsigned = (codes + qmax[..., None]).to(torch.int64)
     out = torch.zeros(rows.shape[0] * row_bytes, dtype=torch.uint8, device=x.device)
@@ -171,7 +176,7 @@ def quantize_allocated(x: torch.Tensor, bits: int, block_size: int, *, stochasti
 
 
 def dequantize_allocated(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, block_size: int,
-                         length: int) -> torch.Tensor:
+                         length: int, floor: int = 0) -> torch.Tensor:
     """(codes, scales) from :func:`quantize_allocated` -> fp32 rows ``(..., length)``."""
     _check_block_size(block_size)
     lead = tuple(codes.shape[:-1])
@@ -181,7 +186,7 @@ def dequantize_allocated(codes: torch.Tensor, scales: torch.Tensor, *, bits: int
                          f"bits ({packed_length(length, bits)} bytes)")
     absmax = scales.reshape(-1, scales.shape[-1]).float()
     flat = codes.reshape(-1).view(torch.uint8)
-    widths = block_widths(absmax, length, bits, block_size)
+    widths = block_widths(absmax, length, bits, block_size, floor)
     qmax, step = _steps(absmax, widths)
     starts, groups = _layout(widths, length, block_size, row_bytes)
     blocks = num_blocks(length, block_size)
