@@ -225,7 +225,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.hadamard = hadamard
         self.backend = backend
         self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard, backend, allocate_bits,
-                                                                  width_floor)
+                                                        width_floor)
         self.feedback = (ErrorFeedback(self.payload, error_feedback_decay, error_feedback_reset)
                          if error_feedback else None)
         self.vector_slices = vector_slices

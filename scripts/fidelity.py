@@ -31,8 +31,9 @@ reduced shard (1-D slices left out, Hadamard 64, the candidates' block size, 4.1
 qgZ's INT4 hop) with the fixed width, with ``gradient_bit_allocation``'s rule (wider where the block's absmax is
 larger: least L2 error), with that rule held to at least the fixed width on every block that is not all zero (so the
 only bits that move are those the fixed format spends on zero blocks: which part of the gain is free), with it held
-to 2 bits (``gradient_bit_allocation_floor: 2``: no nonzero block is sent as zeros), with a rule both ends of the hop could follow at no extra byte (the block's absmax over the
-root of a moving average of its own past squared absmax: wider where a block is larger than it usually is), and with
+to 2 bits (``gradient_bit_allocation_floor: 2``: no nonzero block is sent as zeros), with a rule both ends of the
+hop could follow at no extra byte (the block's absmax over the root of a moving average of its own past squared
+absmax: wider where a block is larger than it usually is), and with
 an oracle no sender has (absmax over the block's RMS of the owner's sqrt(v): wider where a block is larger than
 Adam expects, what Adam's normalization asks for). Deterministic (seeded); minutes on 2 cores.
 
