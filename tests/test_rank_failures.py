@@ -8,7 +8,9 @@ hf_zeropp's node groups, and ``run_distributed`` noticing a dead rank at once.""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -68,6 +70,29 @@ def test_run_distributed_reports_a_rank_that_died_without_reporting_at_once():
     message = str(raised.value)
     assert "rank 1:\ndied without reporting (killed by signal 9)" in message, message
     assert time.monotonic() - started < 120
+
+
+def _report_process_state():
+    print(f"stdout of rank {dist.get_rank()}", flush=True)
+    print(f"stderr of rank {dist.get_rank()}", file=sys.stderr, flush=True)
+    return os.environ.get("HF_ZEROPP_TEST_MARK"), os.getcwd()
+
+
+@pytest.mark.timeout(180)
+def test_run_distributed_ranks_see_the_callers_environment_directory_and_output(monkeypatch, capfd, tmp_path):
+    """Ranks are forked from a fork server that started with an earlier test's environment, directory and output
+    files; each run must still hand its ranks the caller's, as spawning them did (a test's variables, pytest's
+    capture of this test's output)."""
+    for mark in ("first", "second"):  # the server is running by the second run whatever ran before
+        monkeypatch.setenv("HF_ZEROPP_TEST_MARK", mark)
+        directory = tmp_path / mark
+        directory.mkdir()
+        monkeypatch.chdir(directory)
+        assert run_distributed(_report_process_state, 2) == [(mark, str(directory))] * 2
+        out, err = capfd.readouterr()
+        for stream, text in (("stdout", out), ("stderr", err)):
+            lines = sorted(line for line in text.splitlines() if "of rank" in line)
+            assert lines == [f"{stream} of rank 0", f"{stream} of rank 1"], text
 
 
 @pytest.mark.timeout(300)

@@ -12,6 +12,10 @@ from hf_zeropp.testing.spawn import run_distributed
 STEPS = 50
 SEQ = 32
 ZEROPP = {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True}
+# At 3e-3 on 4-sequence batches training sits at the edge of stability: a trajectory nudged by quantization noise
+# met a batch its weights fitted badly (loss 7.1 at step 40 of 50 against ZeRO-3's 3.2, on one CPU and not another,
+# with the weights used in forward within INT8 error of the fp32 master). At 1e-3 the gap stays about 1 %.
+LEARNING_RATE = 1e-3
 
 
 def _gpt2(vocab: int = 256):
@@ -45,7 +49,7 @@ def _train(configs: dict[str, dict], steps: int, micro_batches: int = 1):
     for name, options in configs.items():
         model = _gpt2()
         hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**options))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         losses, record = [], {}
         for step in range(steps):
             if step == 1:
@@ -78,17 +82,17 @@ def bf16_runs():
 
 
 def test_zeropp_tracks_zero3_loss_over_50_steps(bf16_runs):
-    """Stated tolerance: with INT8 weights and INT4 gradients the mean loss of the last 10 steps is within 3 % of
-    ZeRO-3's and no step is more than 8 % off (at lr 3e-3 on 4-sequence batches the trajectories drift apart by a
-    few % at loss spikes even with qwZ alone); both learn (last-10 mean at least 25 % below the first loss)."""
+    """Stated tolerance: with INT8 weights and INT4 gradients the mean loss of the last 10 steps is within 2 % of
+    ZeRO-3's and no step is more than 5 % off (measured: 1.0-1.1 % and 1.3-1.4 %); both learn (last-10 mean at least
+    25 % below the first loss)."""
     zero3 = bf16_runs[0]["zero3"]["losses"]
     tail = sum(zero3[-10:]) / 10
     assert tail < 0.75 * zero3[0]
     for name in ("zeropp", "zeropp_fp16"):
         losses = bf16_runs[0][name]["losses"]
-        assert abs(sum(losses[-10:]) / 10 - tail) <= 0.03 * tail, (name, sum(losses[-10:]) / 10, tail)
+        assert abs(sum(losses[-10:]) / 10 - tail) <= 0.02 * tail, (name, sum(losses[-10:]) / 10, tail)
         for step, (a, b) in enumerate(zip(losses, zero3)):
-            assert abs(a - b) <= 0.08 * b, (name, step, a, b)
+            assert abs(a - b) <= 0.05 * b, (name, step, a, b)
 
 
 def test_gradients_are_the_mean_not_node_size_times_it(bf16_runs):

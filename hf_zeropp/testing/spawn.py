@@ -1,5 +1,11 @@
 """Run a function on N gloo ranks in fresh local processes — one machine emulating several nodes — and collect
-what each rank returns. Used by the tests and the measurement scripts; training jobs use torchrun instead."""
+what each rank returns. Used by the tests and the measurement scripts; training jobs use torchrun instead.
+
+Ranks are forked from a fork server that has imported torch, transformers and hf_zeropp once (``PRELOADED_MODULES``):
+a spawned rank re-imports them, several CPU-seconds per rank, which on a 2-core machine cost more than most of the
+distributed tests themselves. A rank still starts as a spawned one would: nothing of the calling process's state
+but its working directory, ``sys.path``, environment and standard output/error, which are passed at each start.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import io
 import os
 import queue as queue_module
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -14,8 +21,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.reduction import DupFd
 
 DEFAULT_PG_TIMEOUT = 120.0  # seconds a collective may wait for a peer before the process group gives up
+
+# What the ranks of the tests and scripts import; the fork server imports each once (a name missing is skipped).
+PRELOADED_MODULES = ["hf_zeropp", "hf_zeropp.testing.tiny_models", "transformers.models.gpt2.modeling_gpt2",
+                     "transformers.models.llama.modeling_llama"]
 
 
 def _free_port() -> int:
@@ -24,7 +36,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, node_size, port, fn, args, queue, pg_timeout):
+def _rank_context():
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED_MODULES)  # takes effect when the server first starts
+    return context
+
+
+class _PassedFd:
+    """A file descriptor of the caller that reaches the started process as a descriptor of its own (an int there).
+    It can only be pickled while a process is being started, when multiprocessing sends descriptors along."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (DupFd(self.fd),)
+
+
+def _received_fd(passed) -> int:
+    return passed.detach()
+
+
+def _take_callers_process_state(environ: dict, stdout: int, stderr: int) -> None:
+    """The fork server's environment and output files are those of the moment it started; a rank needs the caller's
+    at this run (a test's environment variables, pytest's per-test output capture)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for target, fd in ((1, stdout), (2, stderr)):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _worker(rank, world_size, node_size, port, fn, args, queue, pg_timeout, caller_state):
+    _take_callers_process_state(*caller_state)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank % node_size), LOCAL_WORLD_SIZE=str(node_size))
     torch.set_num_threads(1)
@@ -62,11 +106,14 @@ def run_distributed(fn, world_size: int, *args, node_size: int | None = None, ti
     node_size = node_size or world_size
     if isinstance(pg_timeout, timedelta):
         pg_timeout = pg_timeout.total_seconds()
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, node_size, port, fn, args, queue, pg_timeout),
-                         daemon=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world_size, node_size, port, fn, args, queue, pg_timeout,
+                               (dict(os.environ), _PassedFd(1), _PassedFd(2))))
              for r in range(world_size)]
     for p in procs:
         p.start()
