@@ -90,9 +90,8 @@ def test_run_distributed_ranks_see_the_callers_environment_directory_and_output(
         monkeypatch.chdir(directory)
         assert run_distributed(_report_process_state, 2) == [(mark, str(directory))] * 2
         out, err = capfd.readouterr()
-        for stream, text in (("stdout", out), ("stderr", err)):
-            lines = sorted(line for line in text.splitlines() if "of rank" in line)
-            assert lines == [f"{stream} of rank 0", f"{stream} of rank 1"], text
+        for stream, text in (("stdout", out), ("stderr", err)):  # the ranks' writes may interleave
+            assert f"{stream} of rank 0" in text and f"{stream} of rank 1" in text, text
 
 
 @pytest.mark.timeout(300)
