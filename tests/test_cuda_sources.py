@@ -19,7 +19,8 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("source", sorted(p.name for p in source_dir().glob("*.cu")))
 def test_cu_files_compile_for_sm80_and_sm90(source, tmp_path):
-    command = [NVCC, "-c", *CUDA_CFLAGS, "-Xcompiler", "-Wall", "--threads", "0",  # one thread per arch, per CPU
+    # --threads 0: the two arches build in parallel, up to one per CPU
+    command = [NVCC, "-c", *CUDA_CFLAGS, "-Xcompiler", "-Wall", "--threads", "0",
                "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
                str(source_dir() / source), "-o", str(tmp_path / "kernels.o")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)

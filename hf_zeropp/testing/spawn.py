@@ -109,7 +109,7 @@ def run_distributed(fn, world_size: int, *args, node_size: int | None = None, ti
     ctx = _rank_context()
     queue = ctx.Queue()
     port = _free_port()
-    sys.stdout.flush()
+    sys.stdout.flush()  # the caller's buffered output comes before its ranks' in the files they share
     sys.stderr.flush()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, node_size, port, fn, args, queue, pg_timeout,
