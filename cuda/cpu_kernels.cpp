@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -635,6 +636,239 @@ void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t 
   });
 }
 
+// ---- per-block widths on qgZ's inter-node hop (spec: hf_zeropp/kernels/allocation.py) ----
+
+constexpr int64_t kMaxWidth = 8;
+constexpr int kKeyShift = 23;   // the fp32 exponent's position: one width step per doubling of the scale
+constexpr int64_t kGroup = 8;   // 8 codes of b bits fill b whole bytes
+
+// Elements of block b of a row, rounded up to whole groups of 8 codes (a short last block is padded with zeros).
+inline int64_t padded_count(int64_t length, int64_t block_size, int64_t b) {
+  return ceil_div(std::min(block_size, length - b * block_size), kGroup) * kGroup;
+}
+
+inline bool usable_scale(float scale) {
+  return std::isfinite(scale) && scale > 0.0f;
+}
+
+// The widths of one row's nb blocks from their absmax scales (allocation.block_widths): the largest offset T for
+// which sum(width(T) * padded count) fits the fixed format's row bytes. The cost only grows with T, so the largest
+// fitting T is unique and any bisection finds it.
+void row_widths(const float* scales, int64_t nb, int64_t length, int64_t block_size, int64_t bits, int64_t floor,
+                int32_t* widths) {
+  const int64_t budget = 8 * packed_length(length, bits);
+  std::vector<int64_t> keys(static_cast<size_t>(nb));
+  int64_t usable_elements = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    keys[b] = usable_scale(scales[b]) ? static_cast<int64_t>(float_bits(scales[b])) : -1;  // -1: width 0
+    usable_elements += keys[b] >= 0 ? padded_count(length, block_size, b) : 0;
+  }
+  int64_t row_floor = 0;  // allocation._row_floors: the floor, lowered until every usable block can have it
+  for (int64_t width = 2; width <= floor; ++width) {
+    if (width * usable_elements <= budget) row_floor = width;
+  }
+  auto width_at = [&](int64_t b, int64_t offset) -> int64_t {
+    if (keys[b] < 0) return 0;
+    const int64_t shifted = keys[b] + offset;
+    const int64_t width = std::max(shifted < 0 ? 0 : std::min(shifted >> kKeyShift, kMaxWidth), row_floor);
+    return width == 1 ? 0 : width;  // one level holds only zero
+  };
+  auto fits = [&](int64_t offset) {
+    int64_t cost = 0;
+    for (int64_t b = 0; b < nb; ++b) cost += width_at(b, offset) * padded_count(length, block_size, b);
+    return cost <= budget;
+  };
+  int64_t low = -(int64_t{1} << 32);  // every usable block at the row's floor: fits
+  int64_t high = int64_t{1} << 32;    // every usable block at kMaxWidth: may not fit
+  if (fits(high)) low = high;
+  while (high - low > 1) {
+    const int64_t middle = low + (high - low) / 2;
+    (fits(middle) ? low : high) = middle;
+  }
+  for (int64_t b = 0; b < nb; ++b) widths[b] = static_cast<int32_t>(width_at(b, low));
+}
+
+// Widths and first code byte (within the row) of every block of `rows` rows, the rows in parallel.
+void allocated_layout(const float* scales, int64_t rows, int64_t length, int64_t block_size, int64_t bits,
+                      int64_t floor, int32_t* widths, int64_t* starts) {
+  const int64_t nb = ceil_div(length, block_size);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      row_widths(scales + r * nb, nb, length, block_size, bits, floor, widths + r * nb);
+      int64_t start = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        starts[r * nb + b] = start;
+        start += widths[r * nb + b] * padded_count(length, block_size, b) / 8;
+      }
+    }
+  });
+}
+
+inline int64_t width_qmax(int32_t width) {
+  return std::max<int64_t>((int64_t{1} << width) / 2 - 1, 0);
+}
+
+// The step of a block at its width, as the spec computes it: absmax / max(qmax, 1) in fp32.
+inline float width_step(float absmax, int64_t qmax) {
+  return absmax / static_cast<float>(std::max<int64_t>(qmax, 1));
+}
+
+// Unsigned codes (code + qmax) of one block with a usable scale and a width >= 2: `count` elements of `x`, the
+// block's n elements followed by zeros, which quantize as zeros as in the spec. The loop is branch-free (|v| stays
+// below ~2 qmax, so the integer conversions are exact) so that it vectorizes.
+template <bool kStochastic>
+void allocated_codes(const float* x, int64_t count, float absmax, int32_t width, uint32_t key, int64_t index0,
+                     int32_t* codes) {
+  const int32_t qmax = static_cast<int32_t>(width_qmax(width));
+  const float step = std::max(width_step(absmax, qmax), std::numeric_limits<float>::min());
+  for (int64_t j = 0; j < count; ++j) {
+    const float v = x[j] / step;
+    int32_t code;
+    if constexpr (kStochastic) {
+      const float w = v + uniform_from_counter(key, index0 + j);
+      code = static_cast<int32_t>(w);
+      code -= static_cast<float>(code) > w;  // floor: truncation rounds negative non-integers up
+    } else {
+      code = static_cast<int32_t>((v + kRoundMagic) - kRoundMagic);
+    }
+    codes[j] = std::min(std::max(code, -qmax), qmax) + qmax;
+  }
+}
+
+// Packs `count` unsigned codes of `width` bits, 8 codes per `width` bytes, little-endian.
+void pack_width(const int32_t* codes, int64_t count, int32_t width, uint8_t* out) {
+  for (int64_t g = 0; g < count; g += kGroup) {
+    uint64_t packed = 0;
+    for (int64_t k = 0; k < kGroup; ++k) packed |= static_cast<uint64_t>(codes[g + k]) << (k * width);
+    for (int32_t byte = 0; byte < width; ++byte) {
+      out[g / kGroup * width + byte] = static_cast<uint8_t>(packed >> (8 * byte));
+    }
+  }
+}
+
+void quantize_allocated_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+                         int64_t floor, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(block_size >= kGroup && block_size % kGroup == 0, "block_size must be a positive multiple of 8 for "
+              "per-block widths, got ", block_size);
+  TORCH_CHECK(floor == 0 || (floor >= 2 && floor <= kMaxWidth), "floor must be 0 or 2 to 8, got ", floor);
+  check_tensor(x, "x", 2);
+  check_tensor(codes, "codes", 2);
+  check_tensor(scales, "scales", 2);
+  check_dtype(x, "x", at::kFloat);
+  check_dtype(codes, "codes", at::kChar);
+  check_dtype(scales, "scales", at::kFloat);
+  const int64_t rows = x.size(0);
+  const int64_t length = x.size(1);
+  const int64_t nb = ceil_div(length, block_size);
+  const int64_t row_bytes = packed_length(length, bits);
+  check_shape(codes, "codes", {rows, row_bytes});
+  check_shape(scales, "scales", {rows, nb});
+  if (x.numel() == 0) {
+    return;
+  }
+  const float* xs = x.const_data_ptr<float>();
+  float* absmax = scales.mutable_data_ptr<float>();
+  at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t col = (item % nb) * block_size;
+      absmax[item] = block_absmax(xs + (item / nb) * length + col, std::min(block_size, length - col));
+    }
+  });
+  std::vector<int32_t> widths(static_cast<size_t>(rows * nb));
+  std::vector<int64_t> starts(static_cast<size_t>(rows * nb));
+  allocated_layout(absmax, rows, length, block_size, bits, floor, widths.data(), starts.data());
+  uint8_t* out = reinterpret_cast<uint8_t*>(codes.mutable_data_ptr<int8_t>());
+  std::memset(out, 0, static_cast<size_t>(rows * row_bytes));  // width-0 blocks and the row's unused tail
+  const uint32_t key = stochastic_key(seed);
+  at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
+    const int64_t staged_size = ceil_div(std::min(block_size, length), kGroup) * kGroup;
+    std::vector<float> staged(static_cast<size_t>(staged_size), 0.0f);
+    std::vector<int32_t> codes_of_block(static_cast<size_t>(staged_size));
+    for (int64_t item = begin; item < end; ++item) {
+      if (widths[item] == 0) continue;
+      const int64_t r = item / nb;
+      const int64_t b = item % nb;
+      const int64_t col = b * block_size;
+      const int64_t n = std::min(block_size, length - col);
+      const int64_t count = padded_count(length, block_size, b);
+      std::copy(xs + r * length + col, xs + r * length + col + n, staged.begin());
+      std::fill(staged.begin() + n, staged.begin() + count, 0.0f);
+      if (stochastic) {
+        allocated_codes<true>(staged.data(), count, absmax[item], widths[item], key, r * length + col,
+                              codes_of_block.data());
+      } else {
+        allocated_codes<false>(staged.data(), count, absmax[item], widths[item], key, r * length + col,
+                               codes_of_block.data());
+      }
+      pack_width(codes_of_block.data(), count, widths[item], out + r * row_bytes + starts[item]);
+    }
+  });
+}
+
+void dequantize_allocated_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
+                           int64_t floor, const at::Tensor& out) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(block_size >= kGroup && block_size % kGroup == 0, "block_size must be a positive multiple of 8 for "
+              "per-block widths, got ", block_size);
+  TORCH_CHECK(floor == 0 || (floor >= 2 && floor <= kMaxWidth), "floor must be 0 or 2 to 8, got ", floor);
+  check_tensor(codes, "codes", 2);
+  check_tensor(scales, "scales", 2);
+  check_tensor(out, "out", 2);
+  check_dtype(codes, "codes", at::kChar);
+  check_dtype(scales, "scales", at::kFloat);
+  check_dtype(out, "out", at::kFloat);
+  const int64_t rows = out.size(0);
+  const int64_t length = out.size(1);
+  const int64_t nb = ceil_div(length, block_size);
+  const int64_t row_bytes = packed_length(length, bits);
+  check_shape(codes, "codes", {rows, row_bytes});
+  check_shape(scales, "scales", {rows, nb});
+  if (out.numel() == 0) {
+    return;
+  }
+  const float* absmax = scales.const_data_ptr<float>();
+  std::vector<int32_t> widths(static_cast<size_t>(rows * nb));
+  std::vector<int64_t> starts(static_cast<size_t>(rows * nb));
+  allocated_layout(absmax, rows, length, block_size, bits, floor, widths.data(), starts.data());
+  const uint8_t* in = reinterpret_cast<const uint8_t*>(codes.const_data_ptr<int8_t>());
+  float* values = out.mutable_data_ptr<float>();
+  at::parallel_for(0, rows * nb, grain_blocks(length, block_size), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / nb;
+      const int64_t col = (item % nb) * block_size;
+      const int64_t n = std::min(block_size, length - col);
+      float* o = values + r * length + col;
+      const int32_t width = widths[item];
+      if (width == 0) {
+        const float zero = 0.0f * absmax[item];  // NaN for a block that held NaN or Inf, as in the fixed format
+        for (int64_t j = 0; j < n; ++j) o[j] = zero;
+        continue;
+      }
+      const int64_t qmax = width_qmax(width);
+      const float step = width_step(absmax[item], qmax);
+      const uint8_t* block_in = in + r * row_bytes + starts[item];
+      const uint64_t mask = (uint64_t{1} << width) - 1;
+      for (int64_t g = 0; g < n; g += kGroup) {
+        uint64_t packed = 0;
+        for (int32_t byte = 0; byte < width; ++byte) {
+          packed |= static_cast<uint64_t>(block_in[g / kGroup * width + byte]) << (8 * byte);
+        }
+        for (int64_t k = 0; k < kGroup && g + k < n; ++k) {
+          const int64_t code = static_cast<int64_t>((packed >> (k * width)) & mask) - qmax;
+          o[g + k] = static_cast<float>(code) * step;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 HF_ZEROPP_REGISTER_KERNELS(CPU)
+
+// The per-block-width format has a compiled kernel on the CPU only; CUDA tensors run the plain-torch spec.
+TORCH_LIBRARY_IMPL(hf_zeropp, CPU, m) {
+  m.impl("quantize_allocated", &hf_zeropp::quantize<&quantize_allocated_>);  // same argument order as quantize
+  m.impl("dequantize_allocated", &dequantize_allocated_);
+}

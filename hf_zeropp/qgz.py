@@ -29,7 +29,6 @@ import torch.distributed as dist
 from . import kernels
 from ._compat import ReduceScatter
 from .comm_meter import CommMeter, MeteredReduceScatter, _PlainAlloc, check_sum, nbytes
-from .kernels.allocation import dequantize_allocated, quantize_allocated
 from .kernels.reference import hadamard_rows
 from .layout import VectorSlices
 from .config import ZeroPPConfig
@@ -66,16 +65,16 @@ class BlockQuantizedPayload:
     def quantize_inter(self, rows, bits, seed) -> kernels.Quantized:
         """The quantizer of the hop that crosses nodes, on fp32 rows (rotated when ``hadamard`` is on)."""
         if self.allocate_bits:
-            return kernels.Quantized(*quantize_allocated(rows, bits, self.block_size, stochastic=self.stochastic,
-                                                         seed=seed, floor=self.width_floor))
+            return kernels.quantize_allocated(rows, bits, self.block_size, stochastic=self.stochastic, seed=seed,
+                                              floor=self.width_floor, backend=self.backend)
         return kernels.quantize(rows, bits, self.block_size, stochastic=self.stochastic, seed=seed,
                                 backend=self.backend)
 
     def dequantize_inter(self, codes, scales, bits, length) -> torch.Tensor:
         """Inverse of :meth:`quantize_inter`, still in the rotated domain."""
         if self.allocate_bits:
-            return dequantize_allocated(codes, scales, bits=bits, block_size=self.block_size, length=length,
-                                        floor=self.width_floor)
+            return kernels.dequantize_allocated(codes, scales, bits=bits, block_size=self.block_size, length=length,
+                                                floor=self.width_floor, backend=self.backend)
         return kernels.dequantize(codes, scales, bits=bits, block_size=self.block_size, length=length,
                                   backend=self.backend)
 
@@ -103,11 +102,13 @@ class BlockQuantizedPayload:
         return kernels.dequantize(payload, scales, bits=bits, block_size=self.block_size, length=length,
                                   hadamard=self.hadamard, backend=self.backend)
 
-    def describe(self) -> str:
+    def describe(self, device: torch.device) -> str:
         if not self.allocate_bits:
             return ""
         floor = f", at least {self.width_floor} bits per nonzero block" if self.width_floor else ""
-        return f", per-block bit widths on the inter-node hop{floor} (plain torch)"
+        # only the CPU has a compiled kernel for the width format; elsewhere its plain-torch spec runs
+        compiled = kernels.active_backend(device, self.backend) == "cpp"
+        return f", per-block bit widths on the inter-node hop{floor} ({'C++ kernel' if compiled else 'plain torch'})"
 
 
 class ErrorFeedback:
@@ -383,7 +384,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
                      if isinstance(self.payload, BlockQuantizedPayload) else "fp32 (quantization bypassed)")
         return (f"qgZ {hops} all-to-all {precision}, {self.stages} stage(s), {topo.nodes}x{topo.node_size}"
                 + (f", Hadamard {self.hadamard}" if self.hadamard else "")
-                + (self.payload.describe() if isinstance(self.payload, BlockQuantizedPayload) else "")
+                + (self.payload.describe(device) if isinstance(self.payload, BlockQuantizedPayload) else "")
                 + (self.feedback.describe() if self.feedback is not None else "")
                 + (", 1-D parameters in full precision" if self.vector_slices is not None else "")
                 + (", stochastic rounding" if self.stochastic else "")

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import hf_zeropp.kernels as K
-from hf_zeropp.kernels.allocation import block_widths, dequantize_allocated, quantize_allocated, round_trip_with_widths
+from hf_zeropp.kernels import dequantize_allocated, quantize_allocated
+from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 from hf_zeropp.testing.spawn import run_distributed
 
 
@@ -259,6 +260,7 @@ def test_qgz_with_bit_allocation_is_more_accurate_at_the_same_cross_node_bytes(n
             continue
         described = " ".join(allocated["implementations"]["qgz_inter"])
         assert "per-block bit widths on the inter-node hop" in described
+        assert ("(C++ kernel)" if K.active_backend("cpu") == "cpp" else "(plain torch)") in described
         # measured 8.5-13x lower on these gradients; a misplaced block or a wrong width would be far worse
         assert allocated["error"] < fixed["error"] / 4, (rank, allocated["error"], fixed["error"])
         # the floor gives the blocks the rule sent as zeros (the smallest of the three decades) 2 bits, taken
@@ -306,12 +308,21 @@ def test_a_tiny_transformer_trains_with_it_and_cross_node_bytes_stay_the_same():
     bytes of the fixed format, and the losses follow plain zeropp-accurate's closely (same data, same init)."""
     plain = run_distributed(_tiny_model_steps, 4, {}, node_size=2)
     allocated = run_distributed(_tiny_model_steps, 4, {"gradient_bit_allocation": True}, node_size=2)
+    compiled = K.active_backend("cpu") == "cpp"
     for p, a in zip(plain, allocated):
         assert a["inter_node"] == p["inter_node"] > 0
-        assert "per-block bit widths on the inter-node hop" in " ".join(a["implementations"]["qgz_inter"])
+        described = " ".join(a["implementations"]["qgz_inter"])
+        assert "per-block bit widths on the inter-node hop" in described
+        assert ("(C++ kernel)" if compiled else "(plain torch)") in described
         assert not a["warnings"] and not p["warnings"]
         assert a["losses"][0] == p["losses"][0]  # the first forward precedes any gradient
         assert a["losses"] == pytest.approx(p["losses"], rel=2e-2) and a["losses"] != p["losses"]
+    if compiled:  # the C++ kernel of the width format trains exactly as its plain-torch spec
+        spec = run_distributed(_tiny_model_steps, 4, {"gradient_bit_allocation": True, "kernel_backend": "reference"},
+                               node_size=2)
+        for s, a in zip(spec, allocated):
+            assert "(plain torch)" in " ".join(s["implementations"]["qgz_inter"])
+            assert s["losses"] == a["losses"]
 
 
 @pytest.mark.parametrize("nodes,node_size,expected", [

@@ -182,8 +182,8 @@ def test_width_rule_quantizer_is_the_allocation_format(fidelity_out):
     import torch
 
     import fidelity
-    from hf_zeropp.kernels.allocation import (block_widths, dequantize_allocated, quantize_allocated,
-                                              round_trip_with_widths)
+    from hf_zeropp.kernels import dequantize_allocated, quantize_allocated
+    from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(3, 1024, generator=generator) * torch.logspace(-3, 1, 4).repeat_interleave(256)

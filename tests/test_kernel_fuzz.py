@@ -234,3 +234,48 @@ def test_dequant_reduce_matches_reference(data, k, rows, length, bits, dtype, sc
     out = torch.empty(rows, length, dtype=dtype) if use_out else None
     got = K.dequant_reduce(codes, scales, backend="cpp", out=out, **kwargs)
     assert_same(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------------- per-block widths
+
+WIDTH_BLOCKS = st.one_of(st.sampled_from([8, 16, 64, 256]), st.integers(1, 40).map(lambda groups: 8 * groups))
+FLOORS = st.sampled_from([0, 2, 3, 4, 8])
+
+
+@FUZZ
+@given(data=st.data(), rows=ROWS, length=LENGTHS, dtype=st.sampled_from(DTYPES), bits=BITS, floor=FLOORS,
+       spread=st.sampled_from([0.0, 1.0, 3.0, 8.0]), stochastic=st.booleans(), seed=SEEDS,
+       layout=st.sampled_from(["contiguous", "strided"]))
+def test_allocated_quantize_and_round_trip_match_reference(data, rows, length, dtype, bits, floor, spread, stochastic,
+                                                          seed, layout):
+    """Blocks of magnitudes spread log-normally (``spread`` in natural log), so the rule hands out every width from
+    0 to 8, plus the special values of the other tests."""
+    block = data.draw(WIDTH_BLOCKS)
+    x = data.draw(float_rows(rows, length, dtype))
+    if spread and x.numel():
+        g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+        magnitudes = torch.exp(spread * torch.randn(rows, K.num_blocks(length, block), generator=g))
+        x = (x.float() * magnitudes.repeat_interleave(block, -1)[:, :length]).to(dtype)
+    x = _layout(x, layout)
+    kwargs = dict(stochastic=stochastic, seed=seed, floor=floor)
+    ref = K.quantize_allocated(x, bits, block, backend="reference", **kwargs)
+    got = K.quantize_allocated(x, bits, block, backend="cpp", **kwargs)
+    assert_same(got.codes, ref.codes)
+    assert_same(got.scales, ref.scales)
+    back = dict(bits=bits, block_size=block, length=length, floor=floor)
+    assert_same(K.dequantize_allocated(*got, backend="cpp", **back),
+                K.dequantize_allocated(*ref, backend="reference", **back))
+
+
+@FUZZ
+@given(data=st.data(), rows=ROWS, length=LENGTHS, bits=BITS, floor=FLOORS, code_seed=st.integers(0, 2**31 - 1))
+def test_allocated_dequantize_of_arbitrary_codes_and_scales_matches_reference(data, rows, length, bits, floor,
+                                                                             code_seed):
+    block = data.draw(WIDTH_BLOCKS)
+    codes = random_codes((rows, K.packed_length(length, bits)), code_seed)
+    scales = data.draw(scales_like((rows, K.num_blocks(length, block))))
+    if data.draw(st.booleans()) and scales.numel():  # scales of many magnitudes: every width appears
+        scales = scales * torch.logspace(-20, 20, scales.numel()).view_as(scales)
+    kwargs = dict(bits=bits, block_size=block, length=length, floor=floor)
+    assert_same(K.dequantize_allocated(codes, scales, backend="cpp", **kwargs),
+                K.dequantize_allocated(codes, scales, backend="reference", **kwargs))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import hf_zeropp
 import hf_zeropp.kernels as K
 from hf_zeropp.kernels import _build
+from hf_zeropp.kernels import ops as ops_module
 from hf_zeropp.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.skipif(K.active_backend("cpu") != "cpp", reason="the cpp kernels did not build here")
@@ -40,16 +41,21 @@ def _samples():
         (ops.dequant_reduce_quant.default, (*stacked4, 4, 64, 300, 8, True, 5)),
         (ops.dequant_reduce.default, (*stacked4, 4, 64, 0.25, 0, torch.empty(3, 300))),
         (ops.dequant_reduce.default, (*stacked8, 8, 64, 1.0, 64, torch.empty(3, 300, dtype=torch.float16))),
+        (ops.quantize_allocated.default, (x.float(), 4, 64, False, 0, 0)),
+        (ops.quantize_allocated.default, (x.float() * torch.logspace(-3, 3, 300), 8, 32, True, 9, 2)),
+        (ops.dequantize_allocated.default, (*K.quantize_allocated(x, 4, 64, floor=3), 4, 64, 3, torch.empty(3, 300))),
     ]
 
 
-@pytest.mark.parametrize("index", range(10))
+@pytest.mark.parametrize("index", range(13))
 def test_opcheck(index):
     op, args = _samples()[index]
     torch.library.opcheck(op, args)
 
 
 def test_the_compiled_kernels_are_the_registered_cpu_kernels_and_equal_the_reference():
+    for op in ops_module.SCHEMAS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hf_zeropp::{op}", "CPU"), op
     x = torch.randn(4, 1000)
     through_dispatcher = torch.ops.hf_zeropp.quantize(x, 4, 128, True, 11, 0)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("hf_zeropp::quantize", "CPU")
@@ -67,8 +73,11 @@ def test_the_profiler_names_every_kernel(backend):
         stacked = s.codes.view(2, 2, -1), s.scales.view(2, 2, -1)
         K.dequant_reduce_quant(*stacked, in_bits=4, out_bits=4, block_size=64, length=256, backend=backend)
         K.dequant_reduce(*stacked, bits=4, block_size=64, length=256, backend=backend)
+        K.dequantize_allocated(*K.quantize_allocated(x, 4, 64, backend=backend), bits=4, block_size=64, length=512,
+                               backend=backend)
     names = {event.name for event in prof.events()}
-    for op in ("quantize", "dequantize", "swizzle_quantize", "dequant_reduce_quant", "dequant_reduce"):
+    for op in ("quantize", "dequantize", "swizzle_quantize", "dequant_reduce_quant", "dequant_reduce",
+               "quantize_allocated", "dequantize_allocated"):
         assert f"hf_zeropp::{op}" in names, (op, sorted(n for n in names if "hf_zeropp" in n))
 
 

@@ -10,8 +10,9 @@ the op's name too); ``"cpp"`` / ``"cuda"`` — the compiled kernels, or an error
 There is no process-wide default: components that call the kernels (qwZ, qgZ, frozen weights) carry the backend of
 their ``ZeroPPConfig.kernel_backend``.
 
-The per-block-width format of qgZ's inter-node hop (``gradient_bit_allocation``) is plain torch only, in
-:mod:`hf_zeropp.kernels.allocation`.
+The per-block-width format of qgZ's inter-node hop (``gradient_bit_allocation``; :func:`quantize_allocated`,
+:func:`dequantize_allocated`, spec in :mod:`hf_zeropp.kernels.allocation`) has a compiled kernel for CPU tensors
+only; on CUDA its spec runs, in plain torch.
 
 Every function takes rows along the last dimension: a ``(..., L)`` input gives ``(..., L)`` (8-bit) or
 ``(..., ceil(L / 2))`` (4-bit) int8 codes and ``(..., ceil(L / block_size))`` fp32 scales.
@@ -24,6 +25,8 @@ from typing import Literal, NamedTuple
 import torch
 
 from . import _build, ops, reference
+from .allocation import GROUP as _WIDTH_GROUP
+from .allocation import check_floor
 from .reference import MAX_HADAMARD, QMAX, is_rotation_size, num_blocks, packed_length, swizzle_source_slices
 
 __all__ = [
@@ -34,9 +37,11 @@ __all__ = [
     "dequant_reduce",
     "dequant_reduce_quant",
     "dequantize",
+    "dequantize_allocated",
     "num_blocks",
     "packed_length",
     "quantize",
+    "quantize_allocated",
     "swizzle_quantize",
     "swizzle_source_slices",
 ]
@@ -364,4 +369,71 @@ def dequant_reduce(
         return out
     _run("dequant_reduce", backend, codes.contiguous(), scales.contiguous(), bits, block_size,
          float(scale), hadamard, out)
+    return out
+
+
+def _check_allocation(bits: int, block_size: int, floor: int) -> None:
+    _check_bits(bits)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < _WIDTH_GROUP \
+            or block_size % _WIDTH_GROUP:
+        raise ValueError(f"block_size={block_size!r} must be a positive multiple of {_WIDTH_GROUP} for per-block "
+                         f"widths (whole bytes per {_WIDTH_GROUP} codes), e.g. {DEFAULT_BLOCK_SIZE}")
+    check_floor(floor)
+
+
+def quantize_allocated(
+    x: torch.Tensor,
+    bits: int = 4,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    floor: int = 0,
+    backend: Backend | None = None,
+) -> Quantized:
+    """Block quantization with a bit width per block chosen from the block scales, in the bytes of the fixed
+    ``bits``-wide format (:mod:`hf_zeropp.kernels.allocation`); ``floor`` > 0 gives every block with a usable scale
+    at least that many bits where the row can afford it. Scales are the blocks' absmax; the receiver derives the
+    same widths from them, with the same ``floor``."""
+    x = _float_input(x).to(torch.float32)
+    _check_allocation(bits, block_size, floor)
+    shape = tuple(x.shape) if x.dim() else (1,)
+    length = shape[-1]
+    lead = shape[:-1]
+    rows = x.reshape(-1, length) if length else x.reshape(0, 0)
+    codes_shape = (*lead, packed_length(length, bits))
+    scales_shape = (*lead, num_blocks(length, block_size))
+    _resolve(backend, x.device)
+    if rows.numel() == 0:
+        return Quantized(torch.zeros(codes_shape, dtype=torch.int8, device=x.device),
+                         torch.empty(scales_shape, dtype=torch.float32, device=x.device))
+    codes, scales = _run("quantize_allocated", backend, rows.contiguous(), bits, block_size, stochastic, seed, floor)
+    return Quantized(codes.view(codes_shape), scales.view(scales_shape))
+
+
+def dequantize_allocated(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    bits: int,
+    block_size: int,
+    length: int,
+    floor: int = 0,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """(codes, scales) from :func:`quantize_allocated` with the same ``bits``, ``block_size`` and ``floor`` ->
+    fp32 rows ``(..., length)``."""
+    _check_codes(codes, scales)
+    _check_allocation(bits, block_size, floor)
+    length = _row_length(codes, scales, bits, block_size, length)
+    lead = tuple(codes.shape[:-1])
+    if tuple(scales.shape[:-1]) != lead:
+        raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} differ in leading dims")
+    _resolve(backend, codes.device)
+    out = torch.empty((*lead, length), dtype=torch.float32, device=codes.device)
+    if codes.numel() == 0 or length == 0:
+        return out
+    rows = out.numel() // length
+    _run("dequantize_allocated", backend, codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1),
+         bits, block_size, floor, out.view(rows, length))
     return out

@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from . import _build, dequant_reduce, dequant_reduce_quant, dequantize, quantize, swizzle_quantize
+from . import (_build, dequant_reduce, dequant_reduce_quant, dequantize, dequantize_allocated, quantize,
+               quantize_allocated, swizzle_quantize)
 
 
 def _devices() -> list[str]:
@@ -63,6 +64,16 @@ def _self_test(backend: str, device: str) -> list[str]:
         got = dequant_reduce(*stacked, bits=bits, block_size=128, scale=0.25, backend=backend)
         if not same(got, dequant_reduce(*stacked, bits=bits, block_size=128, scale=0.25, backend="reference")):
             failures.append(f"dequant_reduce {bits}-bit")
+        spread = x.float() * torch.logspace(-4, 4, 1000, device=device)  # blocks of every width
+        for stochastic in (False, True):
+            got = quantize_allocated(spread, bits, 128, stochastic=stochastic, floor=2, backend=backend)
+            ref = quantize_allocated(spread, bits, 128, stochastic=stochastic, floor=2, backend="reference")
+            if not (same(got.codes, ref.codes) and same(got.scales, ref.scales)):
+                failures.append(f"quantize_allocated {bits}-bit stochastic={stochastic}")
+        widths = dict(bits=bits, block_size=128, length=1000, floor=2)
+        if not same(dequantize_allocated(*ref, backend=backend, **widths),
+                    dequantize_allocated(*ref, backend="reference", **widths)):
+            failures.append(f"dequantize_allocated {bits}-bit")
     return failures
 
 

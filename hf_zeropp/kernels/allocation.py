@@ -32,7 +32,9 @@ Format (rows along the last dimension, ``(..., L)``; blocks of ``block_size`` el
 * Dequantization: ``q * step``, or ``0 * absmax`` for width 0 — zero, or NaN when the scale is not finite, so a
   NaN/Inf block still comes back NaN as in the fixed format.
 
-Plain torch on any device: there is no compiled kernel for this format (qgZ records that it ran this one).
+This module is the specification, in plain torch: ``torch.ops.hf_zeropp.quantize_allocated`` /
+``dequantize_allocated`` run the compiled C++ kernel on CPU tensors (``cuda/cpu_kernels.cpp``, equal to this bit for
+bit) and this code on any other device; :func:`hf_zeropp.kernels.quantize_allocated` is the validated entry point.
 """
 
 from __future__ import annotations
@@ -43,13 +45,12 @@ from .reference import _blocked, num_blocks, packed_length, uniform_from_counter
 
 MAX_WIDTH = 8
 _KEY_SHIFT = 23  # the fp32 exponent's position: one width step per doubling of the scale
-_GROUP = 8  # codes per group of whole bytes: 8 codes of b bits fill b bytes
+GROUP = 8  # codes per group of whole bytes: 8 codes of b bits fill b bytes
 
 
-def _check_block_size(block_size: int) -> None:
-    if block_size < _GROUP or block_size % _GROUP:
-        raise ValueError(f"block_size={block_size} must be a positive multiple of {_GROUP} for per-block widths "
-                         f"(whole bytes per 8 codes), e.g. {max(_GROUP, -(-block_size // _GROUP) * _GROUP)}")
+def check_floor(floor: int) -> None:
+    if not isinstance(floor, int) or isinstance(floor, bool) or not (floor == 0 or 2 <= floor <= MAX_WIDTH):
+        raise ValueError(f"floor={floor!r} must be 0 (none) or a width from 2 to {MAX_WIDTH}")
 
 
 def _padded_counts(length: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -57,7 +58,7 @@ def _padded_counts(length: int, block_size: int, device: torch.device) -> torch.
     blocks = num_blocks(length, block_size)
     counts = torch.full((blocks,), block_size, dtype=torch.int64, device=device)
     counts[-1] = length - (blocks - 1) * block_size
-    return -(-counts // _GROUP) * _GROUP
+    return -(-counts // GROUP) * GROUP
 
 
 def block_widths(scales: torch.Tensor, length: int, bits: int, block_size: int, floor: int = 0) -> torch.Tensor:
@@ -98,8 +99,7 @@ def _row_floors(usable: torch.Tensor, counts: torch.Tensor, budget: int, floor: 
     trade and only forbids sending a nonzero block as all zeros, which the unfloored rule does to the same small
     blocks step after step (starving Adam's second moment there). On the measured Llama case it ended that
     starvation but not the loss cost (README, "A 2-bit floor ends the starvation")."""
-    if not 0 <= floor <= MAX_WIDTH or floor == 1:
-        raise ValueError(f"floor={floor} must be 0 (none) or a width from 2 to {MAX_WIDTH}")
+    check_floor(floor)
     usable_counts = (usable.to(torch.int64) * counts).sum(-1, keepdim=True)
     floors = torch.zeros_like(usable_counts)
     for width in range(2, floor + 1):
@@ -149,55 +149,46 @@ def _layout(widths: torch.Tensor, length: int, block_size: int, row_bytes: int):
     return starts, [group for group in groups if bool(group[2].any())]
 
 
-def quantize_allocated(x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False,
-                       seed: int = 0, floor: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``(..., L)`` -> (int8 codes ``(..., packed_length(L, bits))``, fp32 absmax scales ``(..., blocks)``)."""
-    _check_block_size(block_size)
+def quantize(x: torch.Tensor, bits: int, block_size: int, stochastic: bool = False, seed: int = 0,
+             floor: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows ``(rows, L)`` -> (int8 codes ``(rows, packed_length(L, bits))``, fp32 absmax scales
+    ``(rows, blocks)``)."""
     length = x.shape[-1]
-    lead = tuple(x.shape[:-1])
-    rows = x.reshape(-1, length).float()
     row_bytes = packed_length(length, bits)
-    blocked = _blocked(rows, block_size)  # (rows, blocks, block_size), zero padded
+    blocked = _blocked(x, block_size)  # (rows, blocks, block_size), zero padded
     absmax = blocked.abs().amax(-1)
     widths = block_widths(absmax, length, bits, block_size, floor)
     codes, qmax, _ = _round(blocked, absmax, widths, length, stochastic, seed)
     unsigned = (codes + qmax[..., None]).to(torch.int64)
-    out = torch.zeros(rows.shape[0] * row_bytes, dtype=torch.uint8, device=x.device)
+    out = torch.zeros(x.shape[0] * row_bytes, dtype=torch.uint8, device=x.device)
     starts, groups = _layout(widths, length, block_size, row_bytes)
     for width, count, mask in groups:
-        group = unsigned[mask][:, :count].view(-1, count // _GROUP, _GROUP)
-        shifts = torch.arange(_GROUP, device=x.device) * width
+        group = unsigned[mask][:, :count].view(-1, count // GROUP, GROUP)
+        shifts = torch.arange(GROUP, device=x.device) * width
         packed = (group << shifts).sum(-1)  # 8 codes in 8 * width bits; int64 wraps harmlessly at width 8
         as_bytes = (packed[..., None] >> (torch.arange(width, device=x.device) * 8)) & 0xFF
         positions = starts[mask][:, None] + torch.arange(count * width // 8, device=x.device)
         out[positions.reshape(-1)] = as_bytes.reshape(-1).to(torch.uint8)
-    codes_out = out.view(torch.int8).view(*lead, row_bytes)
-    return codes_out, absmax.view(*lead, absmax.shape[-1])
+    return out.view(torch.int8).view(x.shape[0], row_bytes), absmax
 
 
-def dequantize_allocated(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, block_size: int,
-                         length: int, floor: int = 0) -> torch.Tensor:
-    """(codes, scales) from :func:`quantize_allocated` -> fp32 rows ``(..., length)``."""
-    _check_block_size(block_size)
-    lead = tuple(codes.shape[:-1])
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, length: int,
+               floor: int = 0) -> torch.Tensor:
+    """(codes, scales) from :func:`quantize`, ``(rows, ·)`` each -> fp32 rows ``(rows, length)``."""
     row_bytes = codes.shape[-1]
-    if row_bytes != packed_length(length, bits):
-        raise ValueError(f"codes rows of {row_bytes} bytes do not hold {length} elements at an average of {bits} "
-                         f"bits ({packed_length(length, bits)} bytes)")
-    absmax = scales.reshape(-1, scales.shape[-1]).float()
     flat = codes.reshape(-1).view(torch.uint8)
-    widths = block_widths(absmax, length, bits, block_size, floor)
-    qmax, step = _steps(absmax, widths)
+    widths = block_widths(scales, length, bits, block_size, floor)
+    qmax, step = _steps(scales, widths)
     starts, groups = _layout(widths, length, block_size, row_bytes)
     blocks = num_blocks(length, block_size)
-    out = (absmax * 0)[..., None].expand(absmax.shape[0], blocks, block_size).clone()
+    out = (scales * 0)[..., None].expand(scales.shape[0], blocks, block_size).clone()
     for width, count, mask in groups:
         positions = starts[mask][:, None] + torch.arange(count * width // 8, device=codes.device)
-        as_bytes = flat[positions].to(torch.int64).view(-1, count // _GROUP, width)
+        as_bytes = flat[positions].to(torch.int64).view(-1, count // GROUP, width)
         packed = (as_bytes << (torch.arange(width, device=codes.device) * 8)).sum(-1)
-        unsigned = (packed[..., None] >> (torch.arange(_GROUP, device=codes.device) * width)) & ((1 << width) - 1)
+        unsigned = (packed[..., None] >> (torch.arange(GROUP, device=codes.device) * width)) & ((1 << width) - 1)
         signed = unsigned.view(-1, count).to(torch.float32) - qmax[mask][:, None]
         block_values = out[mask]
         block_values[:, :count] = signed * step[mask][:, None]
         out[mask] = block_values
-    return out.view(absmax.shape[0], blocks * block_size)[:, :length].reshape(*lead, length)
+    return out.view(scales.shape[0], blocks * block_size)[:, :length]

@@ -1,11 +1,12 @@
-"""The five kernels as torch custom ops, ``torch.ops.hf_zeropp.*``: one schema each, defined here once.
+"""The kernels as torch custom ops, ``torch.ops.hf_zeropp.*``: one schema each, defined here once.
 
 Registering them with the dispatcher (rather than calling a pybind module) is what lets torch pick the kernel by
 the tensors' device, lets ``torch.profiler`` show each call by name, and lets ``torch.compile`` trace through
 them with the shape-only (fake) implementations below. Kernels per dispatch key:
 
 * CPU and CUDA: the compiled C++/CUDA code (``cuda/cpu_kernels.cpp``, ``cuda/cuda_binding.cpp``), registered when
-  :mod:`hf_zeropp.kernels._build` loads the library;
+  :mod:`hf_zeropp.kernels._build` loads the library (the per-block-width format, ``*_allocated``, has a CPU kernel
+  only);
 * every other case (no compiled library for the device, e.g. the build failed): the plain-torch reference, which
   is the specification, registered as the ``CompositeExplicitAutograd`` kernel.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import allocation, reference
 from .reference import num_blocks, packed_length
 
 NAMESPACE = "hf_zeropp"
@@ -31,6 +32,9 @@ SCHEMAS = {
                             "bool stochastic, int seed) -> (Tensor, Tensor)",
     "dequant_reduce": "(Tensor codes, Tensor scales, int bits, int block_size, float scale, int hadamard, "
                       "Tensor(a!) out) -> ()",
+    "quantize_allocated": "(Tensor x, int bits, int block_size, bool stochastic, int seed, int floor) "
+                          "-> (Tensor, Tensor)",
+    "dequantize_allocated": "(Tensor codes, Tensor scales, int bits, int block_size, int floor, Tensor(a!) out) -> ()",
 }
 
 _library = torch.library.Library(NAMESPACE, "DEF")  # kept alive: dropping it would unregister the ops
@@ -71,6 +75,16 @@ def _dequant_reduce_fake(codes, scales, bits, block_size, scale, hadamard, out):
     return None
 
 
+@torch.library.register_fake(f"{NAMESPACE}::quantize_allocated")
+def _quantize_allocated_fake(x, bits, block_size, stochastic, seed, floor):
+    return _empty_quantized(x, x.shape[0], x.shape[1], bits, block_size)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::dequantize_allocated")
+def _dequantize_allocated_fake(codes, scales, bits, block_size, floor, out):
+    return None
+
+
 # ---- the reference as the kernel of last resort ----
 
 def _reference_dequantize(codes, scales, bits, block_size, hadamard, out):
@@ -81,12 +95,18 @@ def _reference_dequant_reduce(codes, scales, bits, block_size, scale, hadamard, 
     out.copy_(reference.dequant_reduce(codes, scales, bits, block_size, out.shape[1], scale, out.dtype, hadamard))
 
 
+def _reference_dequantize_allocated(codes, scales, bits, block_size, floor, out):
+    out.copy_(allocation.dequantize(codes, scales, bits, block_size, out.shape[1], floor))
+
+
 REFERENCE = {
     "quantize": reference.quantize,  # same arguments as the op's schema
     "dequantize": _reference_dequantize,
     "swizzle_quantize": reference.swizzle_quantize,
     "dequant_reduce_quant": reference.dequant_reduce_quant,
     "dequant_reduce": _reference_dequant_reduce,
+    "quantize_allocated": allocation.quantize,
+    "dequantize_allocated": _reference_dequantize_allocated,
 }
 for _name, _kernel in REFERENCE.items():
     _library.impl(_name, _kernel, "CompositeExplicitAutograd")
