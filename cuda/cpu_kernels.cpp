@@ -746,24 +746,30 @@ void pack_width(const int32_t* codes, int64_t count, int32_t width, uint8_t* out
   }
 }
 
-void quantize_allocated_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
-                         int64_t floor, const at::Tensor& codes, const at::Tensor& scales) {
+// Checks the format's arguments, the (rows, length) fp32 `values` and the codes and scales that encode them.
+void check_allocated(int64_t bits, int64_t block_size, int64_t floor, const at::Tensor& codes,
+                     const at::Tensor& scales, const at::Tensor& values, const char* values_name) {
+  check_tensor(values, values_name, 2);
+  check_dtype(values, values_name, at::kFloat);
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
   TORCH_CHECK(block_size >= kGroup && block_size % kGroup == 0, "block_size must be a positive multiple of 8 for "
               "per-block widths, got ", block_size);
   TORCH_CHECK(floor == 0 || (floor >= 2 && floor <= kMaxWidth), "floor must be 0 or 2 to 8, got ", floor);
-  check_tensor(x, "x", 2);
   check_tensor(codes, "codes", 2);
   check_tensor(scales, "scales", 2);
-  check_dtype(x, "x", at::kFloat);
   check_dtype(codes, "codes", at::kChar);
   check_dtype(scales, "scales", at::kFloat);
+  check_shape(codes, "codes", {values.size(0), packed_length(values.size(1), bits)});
+  check_shape(scales, "scales", {values.size(0), ceil_div(values.size(1), block_size)});
+}
+
+void quantize_allocated_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+                         int64_t floor, const at::Tensor& codes, const at::Tensor& scales) {
+  check_allocated(bits, block_size, floor, codes, scales, x, "x");
   const int64_t rows = x.size(0);
   const int64_t length = x.size(1);
   const int64_t nb = ceil_div(length, block_size);
   const int64_t row_bytes = packed_length(length, bits);
-  check_shape(codes, "codes", {rows, row_bytes});
-  check_shape(scales, "scales", {rows, nb});
   if (x.numel() == 0) {
     return;
   }
@@ -808,22 +814,11 @@ void quantize_allocated_(const at::Tensor& x, int64_t bits, int64_t block_size, 
 
 void dequantize_allocated_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
                            int64_t floor, const at::Tensor& out) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(block_size >= kGroup && block_size % kGroup == 0, "block_size must be a positive multiple of 8 for "
-              "per-block widths, got ", block_size);
-  TORCH_CHECK(floor == 0 || (floor >= 2 && floor <= kMaxWidth), "floor must be 0 or 2 to 8, got ", floor);
-  check_tensor(codes, "codes", 2);
-  check_tensor(scales, "scales", 2);
-  check_tensor(out, "out", 2);
-  check_dtype(codes, "codes", at::kChar);
-  check_dtype(scales, "scales", at::kFloat);
-  check_dtype(out, "out", at::kFloat);
+  check_allocated(bits, block_size, floor, codes, scales, out, "out");
   const int64_t rows = out.size(0);
   const int64_t length = out.size(1);
   const int64_t nb = ceil_div(length, block_size);
   const int64_t row_bytes = packed_length(length, bits);
-  check_shape(codes, "codes", {rows, row_bytes});
-  check_shape(scales, "scales", {rows, nb});
   if (out.numel() == 0) {
     return;
   }

@@ -188,6 +188,13 @@ def quantize(
     _check_bits(bits)
     _check_block_size(block_size, bits)
     _check_hadamard(hadamard, block_size)
+    return _quantize_rows("quantize", x, bits, block_size, backend, stochastic, seed, hadamard)
+
+
+def _quantize_rows(op: str, x: torch.Tensor, bits: int, block_size: int, backend: str | None,
+                   *options) -> Quantized:
+    """Run quantization op ``op`` on the rows of ``x`` (leading dimensions flattened) and give the codes and scales
+    the leading dimensions back."""
     shape = tuple(x.shape) if x.dim() else (1,)
     length = shape[-1]
     lead = shape[:-1]
@@ -196,9 +203,9 @@ def quantize(
     scales_shape = (*lead, num_blocks(length, block_size))
     _resolve(backend, x.device)  # an unavailable backend asked for by name fails also for empty inputs
     if rows.numel() == 0:
-        return Quantized(torch.empty(codes_shape, dtype=torch.int8, device=x.device),
+        return Quantized(torch.zeros(codes_shape, dtype=torch.int8, device=x.device),
                          torch.empty(scales_shape, dtype=torch.float32, device=x.device))
-    codes, scales = _run("quantize", backend, rows.contiguous(), bits, block_size, stochastic, seed, hadamard)
+    codes, scales = _run(op, backend, rows.contiguous(), bits, block_size, *options)
     return Quantized(codes.view(codes_shape), scales.view(scales_shape))
 
 
@@ -227,6 +234,12 @@ def dequantize(
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype={dtype} is not supported; dequantize to float32, float16 or bfloat16")
     length = _row_length(codes, scales, bits, block_size, length)
+    return _dequantize_rows("dequantize", codes, scales, length, dtype, out, backend, bits, block_size, hadamard)
+
+
+def _dequantize_rows(op: str, codes: torch.Tensor, scales: torch.Tensor, length: int, dtype: torch.dtype,
+                     out: torch.Tensor | None, backend: str | None, *options) -> torch.Tensor:
+    """Run dequantization op ``op`` on rows ``(..., ·)`` of codes and scales into ``out`` ``(..., length)``."""
     lead = tuple(codes.shape[:-1])
     if tuple(scales.shape[:-1]) != lead:
         raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} differ in leading dims")
@@ -239,8 +252,8 @@ def dequantize(
     if codes.numel() == 0 or length == 0:
         return out
     rows = out.numel() // length
-    _run("dequantize", backend, codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1),
-         bits, block_size, hadamard, out.view(rows, length))
+    _run(op, backend, codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1), *options,
+         out.view(rows, length))
     return out
 
 
@@ -397,18 +410,7 @@ def quantize_allocated(
     same widths from them, with the same ``floor``."""
     x = _float_input(x).to(torch.float32)
     _check_allocation(bits, block_size, floor)
-    shape = tuple(x.shape) if x.dim() else (1,)
-    length = shape[-1]
-    lead = shape[:-1]
-    rows = x.reshape(-1, length) if length else x.reshape(0, 0)
-    codes_shape = (*lead, packed_length(length, bits))
-    scales_shape = (*lead, num_blocks(length, block_size))
-    _resolve(backend, x.device)
-    if rows.numel() == 0:
-        return Quantized(torch.zeros(codes_shape, dtype=torch.int8, device=x.device),
-                         torch.empty(scales_shape, dtype=torch.float32, device=x.device))
-    codes, scales = _run("quantize_allocated", backend, rows.contiguous(), bits, block_size, stochastic, seed, floor)
-    return Quantized(codes.view(codes_shape), scales.view(scales_shape))
+    return _quantize_rows("quantize_allocated", x, bits, block_size, backend, stochastic, seed, floor)
 
 
 def dequantize_allocated(
@@ -426,14 +428,5 @@ def dequantize_allocated(
     _check_codes(codes, scales)
     _check_allocation(bits, block_size, floor)
     length = _row_length(codes, scales, bits, block_size, length)
-    lead = tuple(codes.shape[:-1])
-    if tuple(scales.shape[:-1]) != lead:
-        raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} differ in leading dims")
-    _resolve(backend, codes.device)
-    out = torch.empty((*lead, length), dtype=torch.float32, device=codes.device)
-    if codes.numel() == 0 or length == 0:
-        return out
-    rows = out.numel() // length
-    _run("dequantize_allocated", backend, codes.contiguous().view(rows, -1), scales.contiguous().view(rows, -1),
-         bits, block_size, floor, out.view(rows, length))
-    return out
+    return _dequantize_rows("dequantize_allocated", codes, scales, length, torch.float32, None, backend, bits,
+                            block_size, floor)
