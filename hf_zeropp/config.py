@@ -70,11 +70,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True},
-    # ZeRO++ with the qgZ options whose gradients measured closest to the exact ones at zeropp's cross-node bytes
-    # (scripts/fidelity.py; README, "Beyond ZeRO++"): a 64-element Hadamard rotation of the gradient blocks and an
-    # 8-bit intra-node hop. Same cross-node bytes as zeropp; qgZ's intra-node hop sends twice as many.
+    # ZeRO++ with the qgZ options that gave the closest update directions (Adam-normalized gradients) at zeropp's
+    # cross-node bytes among those that did not raise the loss (scripts/fidelity.py; README, "Beyond ZeRO++"): a
+    # 64-element Hadamard rotation of the gradient blocks, an 8-bit intra-node hop, and each rank's own rows added
+    # in fp32. Same cross-node bytes as zeropp; qgZ's intra-node hop sends twice as many.
     "zeropp-accurate": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node",
-                        "quantized_gradients": True, "gradient_hadamard": 64, "gradient_intra_bits": 8},
+                        "quantized_gradients": True, "gradient_hadamard": 64, "gradient_intra_bits": 8,
+                        "gradient_full_precision_local": True},
     "zeropp-lora": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True,
                     "quantized_nontrainable_weights": True},
     "zeropp-qwz": {"stage": 3, "quantized_weights": True},
@@ -161,6 +163,10 @@ class ZeroPPConfig:
     gradient_full_precision_1d: bool = _option(
         True, QGZ, "qgZ: 1-D parameters (biases, norm gains) reduce-scattered in the reduce dtype, as DeepSpeed's "
                    "qgZ does; False quantizes them with the matrices")
+    gradient_full_precision_local: bool = _option(
+        False, QGZ, "qgZ: at each hop a rank adds its own contribution (the rows it sends itself) in fp32 instead "
+                    "of quantized: the same bytes on every link, and a hop among P peers drops 1/P of its error "
+                    "variance (much at 2 nodes, little at many)")
     qgz_pipeline_stages: int = _option(
         1, QGZ, "qgZ pipeline stages (ZeRO++ Alg. 2): intra- and inter-node hops overlap")
     stochastic_rounding: bool = _option(False, QGZ, "unbiased, seeded stochastic rounding in qgZ")
@@ -349,7 +355,8 @@ class ZeroPPConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ZeroPPConfig:
         """A named configuration: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zeropp`` (qwZ+hpZ+qgZ),
-        ``zeropp-accurate`` (zeropp with Hadamard-rotated qgZ blocks and an 8-bit intra-node hop), ``zeropp-lora``,
+        ``zeropp-accurate`` (zeropp with Hadamard-rotated qgZ blocks, an 8-bit intra-node hop and own rows in fp32),
+        ``zeropp-lora``,
         ``zeropp-qwz``, ``zeropp-hpz``, ``zeropp-qgz``."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")

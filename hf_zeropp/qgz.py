@@ -11,6 +11,9 @@ pipeline stage ``s`` (ZeRO++ Alg. 2; each chunk is cut into ``stages`` slices):
 4. inter-node all-to-all among the ranks with this local index: row ``m`` goes to node ``m``;
 5. ``dequant_reduce``: sum the ``nodes`` partial sums in fp32 into this rank's slice of its shard.
 
+With ``gradient_full_precision_local`` a rank adds its own contribution at each hop (the rows it addresses to
+itself, which never leave it) in fp32 instead of dequantizing its own quantized copy; the sums then run unfused.
+
 The intra-node all-to-alls of all stages are issued asynchronously up front, and stage ``s``'s inter-node hop runs
 while stage ``s + 1`` is reduced — the overlap Alg. 2 pipelines for. The result is the plain SUM that FSDP asked
 for; FSDP then divides by the world size exactly once (``set_force_sum_reduction_for_comms``), so the gradient is
@@ -21,7 +24,7 @@ stages are zero-padded. What ran is recorded in ``comm_stats(...)["implementatio
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,14 @@ from .kernels.reference import hadamard_rows
 from .layout import VectorSlices
 from .config import ZeroPPConfig
 from .topology import Topology
+
+
+class OwnRows(NamedTuple):
+    """A rank's own contribution to one hop's sum, exact and unrotated: ``rows`` replace the quantized rows that
+    arrived from peer ``peer`` (this rank itself)."""
+
+    peer: int
+    rows: torch.Tensor
 
 
 class BlockQuantizedPayload:
@@ -78,19 +89,51 @@ class BlockQuantizedPayload:
         return kernels.dequantize(codes, scales, bits=bits, block_size=self.block_size, length=length,
                                   backend=self.backend)
 
+    def sum_peers(self, payload, scales, bits, length, *, crossed_nodes: bool = False, skip: int | None = None,
+                  rotate_back: bool = True) -> torch.Tensor:
+        """The fp32 sum of the stacked peers' rows ``(peers, rows, ·)``, rotated back unless ``rotate_back`` is
+        False; ``skip`` leaves that peer's rows out (a rank's own, added exactly instead). The peers before and
+        after ``skip`` are summed as two views rather than gathered into a copy."""
+        groups = [(payload, scales)] if skip is None else [(payload[:skip], scales[:skip]),
+                                                           (payload[skip + 1:], scales[skip + 1:])]
+        total = None
+        for codes, block_scales in groups:
+            if codes.shape[0] == 0:
+                continue
+            if self.allocate_bits and crossed_nodes:
+                part = _sum_in_order(self.dequantize_inter(codes, block_scales, bits, length))
+                part = hadamard_rows(part, self.hadamard) if rotate_back else part
+            else:
+                part = kernels.dequant_reduce(codes, block_scales, bits=bits, block_size=self.block_size,
+                                              length=length, hadamard=self.hadamard if rotate_back else 0,
+                                              backend=self.backend)
+            total = part if total is None else total.add_(part)
+        return torch.zeros(payload.shape[1], length, device=payload.device) if total is None else total
+
+    def requantize(self, partial_sums, bits, seed) -> kernels.Quantized:
+        """Quantize unrotated fp32 partial sums for the inter-node hop (rotating them first, fused where the format
+        allows)."""
+        if self.allocate_bits:
+            return self.quantize_inter(hadamard_rows(partial_sums, self.hadamard), bits, seed)
+        return kernels.quantize(partial_sums, bits, self.block_size, stochastic=self.stochastic, seed=seed,
+                                hadamard=self.hadamard, backend=self.backend)
+
     def reduce_requantize(self, payload, scales, in_bits, out_bits, length, seed):
         if self.allocate_bits:
-            partial_sums = kernels.dequant_reduce(payload, scales, bits=in_bits, block_size=self.block_size,
-                                                  length=length, backend=self.backend)
-            return self.quantize_inter(partial_sums, out_bits, seed)
+            return self.quantize_inter(self.sum_peers(payload, scales, in_bits, length, rotate_back=False), out_bits,
+                                       seed)
         return kernels.dequant_reduce_quant(payload, scales, in_bits=in_bits, out_bits=out_bits,
                                             block_size=self.block_size, length=length, stochastic=self.stochastic,
                                             seed=seed, backend=self.backend)
 
-    def reduce(self, payload, scales, bits, length, out, crossed_nodes: bool) -> None:
+    def reduce(self, payload, scales, bits, length, out, crossed_nodes: bool, own: OwnRows | None = None) -> None:
+        """The last hop's sum into ``out``; with ``own`` (unrotated), that peer's quantized rows replaced by it."""
+        if own is not None:
+            total = self.sum_peers(payload, scales, bits, length, crossed_nodes=crossed_nodes, skip=own.peer)
+            out.copy_(total.add_(own.rows))
+            return
         if self.allocate_bits and crossed_nodes:
-            total = _sum_in_order(self.dequantize_inter(payload, scales, bits, length))
-            out.copy_(hadamard_rows(total, self.hadamard))
+            out.copy_(self.sum_peers(payload, scales, bits, length, crossed_nodes=True))
             return
         kernels.dequant_reduce(payload, scales, bits=bits, block_size=self.block_size, length=length,
                                dtype=out.dtype, out=out, hadamard=self.hadamard, backend=self.backend)
@@ -136,17 +179,17 @@ class ErrorFeedback:
         self.residuals: dict[int, kernels.Quantized] = {}
         self.reductions = 0  # of stage 0, i.e. of the unit's gradient (for reset_every)
 
-    def reduce_requantize(self, stage: int, payload: torch.Tensor, scales: torch.Tensor, in_bits: int,
-                          out_bits: int, length: int, seed: int) -> kernels.Quantized:
-        """BlockQuantizedPayload.reduce_requantize with the stage's residual added to the fp32 partial sums before
-        requantizing (in the payload's domain: rotated rows stay rotated), and the new residual kept."""
+    def requantize(self, stage: int, partial_sums: torch.Tensor, out_bits: int, length: int, seed: int,
+                   exact_row: int | None = None) -> kernels.Quantized:
+        """Quantize the stage's fp32 partial sums (rotated rows stay rotated) for the inter-node hop with its
+        residual added first, and keep the new residual. Row ``exact_row`` (this rank's own node's, with
+        ``gradient_full_precision_local``) reaches its owner exactly, so it drops nothing and carries no residual;
+        the row is modified in place like the others."""
         backend = self.backend
         if stage == 0:
             if self.reset_every and self.reductions and self.reductions % self.reset_every == 0:
                 self.residuals.clear()
             self.reductions += 1
-        partial_sums = kernels.dequant_reduce(payload, scales, bits=in_bits, block_size=self.block_size,
-                                              length=length, backend=backend)
         residual = self.residuals.get(stage)
         previous = None
         if residual is not None and residual.codes.shape == partial_sums.shape:
@@ -155,6 +198,8 @@ class ErrorFeedback:
             partial_sums += previous
         sent = self.payload.quantize_inter(partial_sums, out_bits, seed)
         dropped = partial_sums - self.payload.dequantize_inter(*sent, out_bits, length)
+        if exact_row is not None:
+            dropped[exact_row] = 0
         if self.decay and previous is not None:
             dropped = previous.mul_(self.decay).add_(dropped, alpha=1.0 - self.decay)
         self.residuals[stage] = kernels.quantize(dropped, 8, self.block_size, backend=backend)
@@ -193,8 +238,8 @@ class FullPrecisionPayload:
         total = _sum_in_order(payload)
         return total, total.new_empty(total.shape[0], 0)
 
-    def reduce(self, payload, scales, bits, length, out, crossed_nodes: bool) -> None:
-        out.copy_(_sum_in_order(payload))
+    def reduce(self, payload, scales, bits, length, out, crossed_nodes: bool, own: OwnRows | None = None) -> None:
+        out.copy_(_sum_in_order(payload))  # every row is exact already: ``own`` is never given
 
 
 def _sum_in_order(stacked: torch.Tensor) -> torch.Tensor:
@@ -212,6 +257,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
                  stages: int, stochastic: bool, seed: int, enabled: bool = True, hadamard: int = 0,
                  error_feedback: bool = False, error_feedback_decay: float = 0.0, error_feedback_reset: int = 0,
                  allocate_bits: bool = False, width_floor: int = 0, vector_slices: VectorSlices | None = None,
+                 full_precision_local: bool = False,
                  payload: BlockQuantizedPayload | FullPrecisionPayload | None = None,
                  backend: kernels.Backend | None = None) -> None:
         self.meter = meter
@@ -230,6 +276,8 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.feedback = (ErrorFeedback(self.payload, error_feedback_decay, error_feedback_reset)
                          if error_feedback else None)
         self.vector_slices = vector_slices
+        # unquantized payloads have no error to spare
+        self.full_precision_local = full_precision_local and isinstance(self.payload, BlockQuantizedPayload)
         self.calls = 0  # stochastic-rounding seeds derive from it (see _seed)
         self._plain = MeteredReduceScatter(meter)
         self._plain_vectors = MeteredReduceScatter(meter, "qgz_1d_full_precision")
@@ -262,6 +310,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
             padded[:, :shard_numel] = chunks
             chunks = padded
         seed = self._seed()
+        own_rows = self._own_rows(chunks, slice_len) if self.full_precision_local else None
         # one rank per node has no intra-node hop: quantize straight to the inter-node width
         first_bits = self.intra_bits if node_size > 1 else self.inter_bits
         payload, scales = self.payload.swizzle(chunks.reshape(-1), nodes, node_size, stages, first_bits, seed)
@@ -284,24 +333,22 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         if nodes == 1:  # single node: one hop, reduce straight to full precision
             final = received
             final_bits = first_bits
+            own_final = None if own_rows is None else [OwnRows(topo.local_rank, rows) for rows in own_rows]
         else:
             final = []
+            own_final = None if own_rows is None else []  # per stage: this rank's exact share of the last sum
             for s, arrival in enumerate(received):
-                got, got_scales = arrival()
-                if node_size > 1 and self.feedback is not None:
-                    got, got_scales = self.feedback.reduce_requantize(s, got, got_scales, first_bits, self.inter_bits,
-                                                                      slice_len, seed + 1 + s)
-                elif node_size > 1:
-                    got, got_scales = self.payload.reduce_requantize(got, got_scales, first_bits, self.inter_bits,
-                                                                     slice_len, seed + 1 + s)
-                else:
-                    got, got_scales = got[0], got_scales[0]
+                got, got_scales, partial_sums = self._node_partial_sums(s, *arrival(), own_rows, first_bits,
+                                                                        slice_len, seed + 1 + s)
+                if own_final is not None:
+                    own_final.append(OwnRows(topo.node, partial_sums[topo.node:topo.node + 1]))
                 # hop 2 (inter-node): row m of the partial sums goes to node m; stage s+1 is reduced meanwhile
                 final.append(self._all_to_all(got, got_scales, topo.inter_node_group, "qgz_inter"))
             final_bits = self.inter_bits
         for s, arrival in enumerate(final):
             got, got_scales = arrival()
-            self.payload.reduce(got, got_scales, final_bits, slice_len, result[s:s + 1], crossed_nodes=nodes > 1)
+            self.payload.reduce(got, got_scales, final_bits, slice_len, result[s:s + 1], crossed_nodes=nodes > 1,
+                                own=None if own_final is None else own_final[s])
         if not exact_fit:
             output_tensor.copy_(result.reshape(-1)[:shard_numel])
         if exact is not None:
@@ -329,6 +376,40 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         work = self._plain_vectors(reduced, vectors.view(-1), group, dist.ReduceOp.SUM, async_op=True)
         chunks[:, positions] = 0
         return positions, reduced, work
+
+    def _node_partial_sums(self, stage: int, got: torch.Tensor, got_scales: torch.Tensor,
+                           own_rows: torch.Tensor | None, first_bits: int, slice_len: int, seed: int):
+        """Between the hops: the node's partial sums for every node, requantized for the inter-node hop, as
+        (codes, scales, unrotated fp32 partial sums or None). The fp32 sums are formed only where they are needed:
+        with ``own_rows`` (this rank's exact first-hop rows, which with one rank per node are the partial sums
+        themselves), whose row for this rank's node is kept; and for error feedback, which works on rotated sums.
+        Otherwise the fused kernel runs."""
+        topo = self.topology
+        if topo.node_size == 1:
+            return got[0], got_scales[0], None if own_rows is None else own_rows[stage]
+        if own_rows is None:
+            if self.feedback is None:
+                return (*self.payload.reduce_requantize(got, got_scales, first_bits, self.inter_bits, slice_len,
+                                                        seed), None)
+            rotated = self.payload.sum_peers(got, got_scales, first_bits, slice_len, rotate_back=False)
+            return (*self.feedback.requantize(stage, rotated, self.inter_bits, slice_len, seed), None)
+        partial_sums = self.payload.sum_peers(got, got_scales, first_bits, slice_len, skip=topo.local_rank)
+        partial_sums += own_rows[stage]
+        if self.feedback is not None:
+            # the residual lives in the rotated domain; requantize adds it in place
+            rotated = hadamard_rows(partial_sums, self.hadamard) if self.hadamard else partial_sums.clone()
+            sent = self.feedback.requantize(stage, rotated, self.inter_bits, slice_len, seed, exact_row=topo.node)
+        else:
+            sent = self.payload.requantize(partial_sums, self.inter_bits, seed)
+        return *sent, partial_sums
+
+    def _own_rows(self, chunks: torch.Tensor, slice_len: int) -> torch.Tensor:
+        """The rows this rank addresses to itself at the first hop, unrotated, as a strided view of ``chunks``:
+        ``(stages, nodes, slice_len)``, row ``m`` of a stage being its contribution to node ``m``'s owner (chunk
+        ``m * node_size + local_rank``; the order :func:`kernels.swizzle_source_slices` gives them)."""
+        topo = self.topology
+        mine = chunks.view(topo.nodes, topo.node_size, self.stages, slice_len)[:, topo.local_rank]
+        return mine.transpose(0, 1)
 
     def _record_error(self, chunks: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
                       slice_len: int, crossed_nodes: bool) -> None:
@@ -387,6 +468,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
                 + (self.payload.describe(device) if isinstance(self.payload, BlockQuantizedPayload) else "")
                 + (self.feedback.describe() if self.feedback is not None else "")
                 + (", 1-D parameters in full precision" if self.vector_slices is not None else "")
+                + (", own contributions in fp32" if self.full_precision_local else "")
                 + (", stochastic rounding" if self.stochastic else "")
                 + (f", kernels {kernels.active_backend(device, self.backend)}"
                    if isinstance(self.payload, BlockQuantizedPayload)
@@ -417,5 +499,6 @@ def make_reduce_scatter(config: ZeroPPConfig, topology: Topology, meter: CommMet
         allocate_bits=config.gradient_bit_allocation,
         width_floor=config.gradient_bit_allocation_floor,
         vector_slices=VectorSlices(module, trainable_only=True) if config.gradient_full_precision_1d else None,
+        full_precision_local=config.gradient_full_precision_local,
         backend=config.kernel_backend,
     )

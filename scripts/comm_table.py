@@ -54,6 +54,8 @@ QGZ_OPTION_CONFIGS = {
     "+ Hadamard + 8-bit intra (zeropp-accurate)": {**ZEROPP, "gradient_hadamard": 64, "gradient_intra_bits": 8},
     "+ Hadamard + 8-bit intra + bit allocation": {**ZEROPP, "gradient_hadamard": 64, "gradient_intra_bits": 8,
                                                   "gradient_bit_allocation": True},
+    "+ Hadamard + 8-bit intra + own rows in fp32": {**ZEROPP, "gradient_hadamard": 64, "gradient_intra_bits": 8,
+                                                    "gradient_full_precision_local": True},
 }
 COLUMNS = {"forward all-gather": ("fwd_allgather",), "backward all-gather": ("bwd_allgather",),
            "gradient reduction": ("grad_reduce_scatter", "qgz_1d_full_precision", "qgz_intra", "qgz_inter")}

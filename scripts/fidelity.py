@@ -107,6 +107,12 @@ GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
     "bit allocation (inter-node hop)": {"gradient_bit_allocation": True},
     "Hadamard 64 + 8-bit intra + bit allocation": {"gradient_hadamard": 64, "gradient_intra_bits": 8,
                                                    "gradient_bit_allocation": True},
+    "own rows in fp32": {"gradient_full_precision_local": True},
+    "Hadamard 64 + 8-bit intra + own rows in fp32": {"gradient_hadamard": 64, "gradient_intra_bits": 8,
+                                                     "gradient_full_precision_local": True},
+    "Hadamard 64 + 8-bit intra + bit allocation, floor 2 + own rows in fp32": {
+        "gradient_hadamard": 64, "gradient_intra_bits": 8, "gradient_bit_allocation": True,
+        "gradient_bit_allocation_floor": 2, "gradient_full_precision_local": True},
     "Hadamard 64 + 8-bit intra + bit allocation, floor 2": {"gradient_hadamard": 64, "gradient_intra_bits": 8,
                                                            "gradient_bit_allocation": True,
                                                            "gradient_bit_allocation_floor": 2},

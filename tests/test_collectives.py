@@ -287,3 +287,112 @@ def test_error_feedback_cancels_the_inter_node_rounding_over_steps():
         assert errors["reset every reduction"] == errors["off"]
         assert errors["reductions_loco"] == steps
         assert errors["residual_bytes_plain"] == 4 * SHARD // 2  # (nodes x slice) int8 = world * shard / node_size
+
+
+def _own_contribution_reference(world: int, node_size: int, rank: int, stages: int, intra_bits: int,
+                                inter_bits: int, hadamard: int) -> torch.Tensor:
+    """qgZ's SUM for ``rank`` with every rank's own contribution kept exact, written out hop by hop from the
+    reference quantizer: node m's owner of my rows (local index = mine) sums its peers' dequantized rows and its own
+    exact ones, requantizes them for me unless m is my node, and I sum those and my node's exact partial sum."""
+    from hf_zeropp.kernels import reference
+
+    nodes, node, local = world // node_size, rank // node_size, rank % node_size
+    slice_len = -(-SHARD // stages)
+
+    def round_trip(rows: torch.Tensor, bits: int) -> torch.Tensor:
+        return reference._dequantize_rows(*reference._quantize_rows(rows, bits, BLOCK, False, 0, None), bits, BLOCK,
+                                          slice_len)
+
+    first_bits = intra_bits if node_size > 1 else inter_bits
+    mine = torch.zeros(world, stages * slice_len)  # every rank's chunk addressed to me
+    for source in range(world):
+        mine[source, :SHARD] = _gradients(world, source, integers=False)[rank]
+    result = torch.zeros(stages, slice_len)
+    for s in range(stages):
+        rows = reference.hadamard_rows(mine[:, s * slice_len:(s + 1) * slice_len].contiguous(), hadamard)
+        partials = []
+        for m in range(nodes):
+            peers = [round_trip(rows[m * node_size + d:m * node_size + d + 1], first_bits)
+                     for d in range(node_size) if d != local]
+            total = peers[0].clone() if peers else torch.zeros(1, slice_len)
+            for peer in peers[1:]:
+                total = total + peer
+            partials.append(total + rows[m * node_size + local] if peers else rows[m * node_size + local:][:1])
+        if nodes == 1:
+            total = partials[0]
+        else:
+            others = [round_trip(partials[m], inter_bits) for m in range(nodes) if m != node]
+            total = others[0].clone()
+            for other in others[1:]:
+                total = total + other
+            total = total + partials[node]
+        result[s] = reference.hadamard_rows(total, hadamard)[0]
+    return result.reshape(-1)[:SHARD]
+
+
+def _full_precision_local_worker(node_size: int):
+    from hf_zeropp.comm_meter import reduce_scatter_single
+    from hf_zeropp.qgz import QuantizedReduceScatter
+
+    topology, meter = _setup(node_size)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    exact = torch.empty(SHARD)
+    reduce_scatter_single(exact, _gradients(world, rank, False).reshape(-1), group=None, op=dist.ReduceOp.SUM)
+    results = {}
+    for stages, intra_bits, inter_bits, hadamard in ((1, 8, 4, 0), (2, 4, 4, 0), (1, 8, 4, 32), (2, 8, 8, 64)):
+        got = {}
+        for local in (False, True):
+            comm = QuantizedReduceScatter(meter, topology, intra_bits, inter_bits, BLOCK, stages, False, 0,
+                                          hadamard=hadamard, full_precision_local=local, backend="reference")
+            got[local] = torch.empty(SHARD)
+            comm(got[local], _gradients(world, rank, False).reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM)
+        expected = _own_contribution_reference(world, node_size, rank, stages, intra_bits, inter_bits, hadamard)
+        results[(stages, intra_bits, inter_bits, hadamard)] = (
+            float((got[True] - expected).abs().max()), float(expected.abs().max()),
+            float((got[True] - exact).norm()), float((got[False] - exact).norm()))
+    combinations = {"error feedback": {"error_feedback": True, "hadamard": 64},
+                    "widths": {"allocate_bits": True, "hadamard": 64, "width_floor": 2},
+                    "stochastic rounding": {"stochastic": True}}
+    for name, options in combinations.items():
+        errors = {}
+        for local in (False, True):
+            comm = QuantizedReduceScatter(meter, topology, 8, 4, BLOCK, 1, full_precision_local=local,
+                                          **{"stochastic": False, "seed": 5, **options})
+            got = torch.empty(SHARD)
+            comm(got, _gradients(world, rank, False).reshape(-1), dist.group.WORLD, dist.ReduceOp.SUM)
+            errors[local] = float((got - exact).norm())
+        results[name] = (errors[True], errors[False])
+        if comm.feedback is not None and topology.nodes > 1 and topology.node_size > 1:
+            from hf_zeropp.kernels import dequantize
+
+            residual = comm.feedback.state_dict()["residuals"][0]
+            dropped = dequantize(*residual, bits=8, block_size=BLOCK, length=SHARD).abs().amax(1)
+            results["residual per node"] = dropped.tolist()
+    results["implementation"] = " | ".join(" | ".join(lines) for lines in meter.stats()["implementations"].values())
+    return results
+
+
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (2, 4), (4, 2), (3, 1), (1, 4)])
+def test_full_precision_local_adds_each_ranks_own_rows_exactly(nodes, node_size):
+    """``gradient_full_precision_local``: against a hop-by-hop reference in which every rank's own rows (hop 1) and
+    its node's partial sums (hop 2) skip quantization, with and without rotation, at 1 and 2 stages and one rank per
+    node; the error falls against the option off, also with error feedback, per-block widths or stochastic
+    rounding. With error feedback the own node's row carries no residual, every other node's does."""
+    world = nodes * node_size
+    for rank, result in enumerate(run_distributed(_full_precision_local_worker, world, node_size,
+                                                  node_size=node_size)):
+        for key, value in result.items():
+            if not isinstance(key, tuple):
+                continue
+            deviation, magnitude, error_on, error_off = value
+            # the reference adds the own rows in the rotated domain: equal up to fp32 rounding
+            assert deviation <= 1e-5 * magnitude, (rank, key, value)
+            assert error_on < error_off, (rank, key, value)
+        for name in ("error feedback", "widths", "stochastic rounding"):
+            error_on, error_off = result[name]
+            assert error_on < error_off, (rank, name, result[name])
+        assert "own contributions in fp32" in result["implementation"]
+        if nodes > 1 and node_size > 1:  # the row for my own node reached its owner exactly: nothing carried
+            residual = result["residual per node"]
+            mine = rank // node_size
+            assert residual[mine] == 0.0 and min(residual[:mine] + residual[mine + 1:]) > 0, residual

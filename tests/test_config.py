@@ -29,7 +29,7 @@ def test_every_preset_has_its_config_file_in_recipes():
         assert ZeroPPConfig.from_file(path) == ZeroPPConfig.preset(path.stem), path.name
     accurate = ZeroPPConfig.preset("zeropp-accurate")
     assert (accurate.gradient_hadamard, accurate.gradient_intra_bits, accurate.gradient_bits,
-            accurate.quantized_gradients) == (64, 8, 4, True)
+            accurate.quantized_gradients, accurate.gradient_full_precision_local) == (64, 8, 4, True, True)
 
 
 def test_rlhf_recipes_hold_valid_configs_and_the_full_size_one_gathers_once_per_generate_call():

@@ -224,7 +224,9 @@ def _one_backward_gradients(unused_parameter: bool):
     out = {}
     for name, options in {"zero3": {"stage": 3},
                           "qgz": {"stage": 3, "quantized_gradients": True, "gradient_full_precision_1d": False},
-                          "qgz_1d": {"stage": 3, "quantized_gradients": True}}.items():
+                          "qgz_1d": {"stage": 3, "quantized_gradients": True},
+                          "qgz_local": {"stage": 3, "quantized_gradients": True,
+                                        "gradient_full_precision_local": True}}.items():
         model = tiny_gpt2(n_embd=64)
         if unused_parameter:
             model.transformer.h[1].register_parameter("unused", torch.nn.Parameter(torch.zeros(5)))
@@ -261,6 +263,28 @@ def test_full_precision_1d_sends_biases_and_norms_exactly(world):
         assert sent["intra_node"] + sent["inter_node"] == per_rank * 4 * (world - 1), sent
         assert sent["inter_node"] == per_rank * 4 * (world - 2)  # node_size 2: one peer inside the node
         assert rank_result["qgz_1d"][1]["qgz_inter"] == rank_result["qgz"][1]["qgz_inter"]
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_full_precision_local_lowers_every_matrix_error_at_the_same_bytes(world):
+    """``gradient_full_precision_local`` on a real model at 2 and 3 emulated nodes of 2: each hop among P peers leaves
+    one contribution of P unquantized, so the matrices' gradient error falls (to about sqrt(1/2) at 2 x 2), the
+    1-D gradients stay exact and every link carries exactly the bytes it did."""
+    from hf_zeropp.testing.tiny_models import relative_error
+
+    ranks = run_distributed(_one_backward_gradients, world, False, node_size=2)
+    exact, _ = ranks[0]["zero3"]
+    plain, _ = ranks[0]["qgz_1d"]
+    local, stats = ranks[0]["qgz_local"]
+    matrices = [n for n, g in exact.items() if g.dim() > 1]
+    for name in exact.keys() - set(matrices):
+        assert relative_error(local[name], exact[name]) <= 1e-6, name
+    ratios = sorted(relative_error(local[n], exact[n]) / relative_error(plain[n], exact[n]) for n in matrices)
+    assert ratios[-1] < 1.0 and 0.5 < ratios[len(ratios) // 2] < 0.9, ratios
+    assert "own contributions in fp32" in " ".join(stats["implementations"]["qgz_inter"])
+    for rank_result in ranks:
+        for kind in ("qgz_intra", "qgz_inter", "qgz_1d_full_precision"):
+            assert rank_result["qgz_local"][1][kind] == rank_result["qgz_1d"][1][kind], kind
 
 
 def test_full_precision_1d_falls_back_to_quantizing_a_unit_with_an_unused_parameter():
