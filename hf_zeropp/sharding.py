@@ -163,6 +163,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     _install_comms(model, state)
     model._zeropp = state
     _report_techniques_that_cannot_apply(state)
+    _report_width_format_without_kernel(state)
     return model
 
 
@@ -213,6 +214,23 @@ def _report_techniques_that_cannot_apply(state: ZeroPPState) -> None:
         if topology.rank == 0:
             warnings.warn(f"hf_zeropp: {technique} was requested but is not applied: {reason}. Set node_size (or "
                           f"ZEROPP_NODE_SIZE) if the launcher's node size is wrong", stacklevel=3)
+
+
+def _report_width_format_without_kernel(state: ZeroPPState) -> None:
+    """Warn once (rank 0) when qgZ's per-block widths will run as their plain-torch specification because the
+    device has no compiled kernel for them (the CPU has one; CUDA has none yet): the same numbers, slower, and a
+    user who chose the compiled kernels would not otherwise learn that this hop does not use them. comm_stats shows
+    it in qgZ's implementation line ("plain torch")."""
+    config, topology = state.config, state.topology
+    if not (config.quantized_gradients and config.gradient_bit_allocation and topology.nodes > 1):
+        return
+    if topology.device_type == "cpu" or config.kernel_backend == "reference":
+        return
+    if topology.rank == 0:
+        warnings.warn(f"hf_zeropp: gradient_bit_allocation runs its plain-torch specification on "
+                      f"{topology.device_type}: the per-block width format has a compiled kernel for CPU only, so "
+                      f"qgZ's inter-node hop is slower than with the fixed format (same bytes, same format). Set "
+                      f"gradient_bit_allocation: false to keep every qgZ step in the fused kernels", stacklevel=3)
 
 
 class ZeroPPModule:

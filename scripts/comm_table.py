@@ -56,6 +56,9 @@ QGZ_OPTION_CONFIGS = {
                                                   "gradient_bit_allocation": True},
     "+ Hadamard + 8-bit intra + own rows in fp32 (zeropp-accurate)": {
         **ZEROPP, "gradient_hadamard": 64, "gradient_intra_bits": 8, "gradient_full_precision_local": True},
+    "+ Hadamard + 8-bit intra + bit allocation, floor 2 + own rows in fp32": {
+        **ZEROPP, "gradient_hadamard": 64, "gradient_intra_bits": 8, "gradient_bit_allocation": True,
+        "gradient_bit_allocation_floor": 2, "gradient_full_precision_local": True},
 }
 COLUMNS = {"forward all-gather": ("fwd_allgather",), "backward all-gather": ("bwd_allgather",),
            "gradient reduction": ("grad_reduce_scatter", "qgz_1d_full_precision", "qgz_intra", "qgz_inter")}

@@ -340,3 +340,36 @@ def test_options_of_the_inter_node_hop_that_cannot_apply_are_reported(nodes, nod
         assert ("gradient_bit_allocation" in result["implementations"]) == ("gradient_bit_allocation" in expected)
         said = [w for w in result["warnings"] if w.startswith("hf_zeropp: gradient_")]
         assert len(said) == (len(expected) if rank == 0 else 0), result["warnings"]
+
+
+@pytest.mark.parametrize("device_type,backend,nodes,rank,warns", [
+    ("cuda", None, 2, 0, True),       # CUDA kernels for the rest, the width format's spec for this hop
+    ("cuda", "cuda", 2, 0, True),
+    ("cuda", None, 2, 1, False),      # said by rank 0 only
+    ("cuda", "reference", 2, 0, False),  # plain torch everywhere was asked for
+    ("cuda", None, 1, 0, False),      # one node: the widths do not apply (reported as such elsewhere)
+    ("cpu", None, 2, 0, False),       # the C++ kernel runs
+])
+def test_widths_on_a_device_without_their_kernel_are_said_once(device_type, backend, nodes, rank, warns):
+    """The width format has a compiled kernel for CPU only: on CUDA its plain-torch spec runs, slower than the
+    fused kernels the rest of qgZ uses. That is said once, naming the option that avoids it, not left silent."""
+    import warnings
+
+    from hf_zeropp.comm_meter import CommMeter
+    from hf_zeropp.config import ZeroPPConfig
+    from hf_zeropp.sharding import ZeroPPState, _report_width_format_without_kernel
+    from hf_zeropp.topology import Topology
+
+    config = ZeroPPConfig(quantized_gradients=True, gradient_bit_allocation=True, kernel_backend=backend,
+                          node_size=2)
+    topology = Topology.from_config(config, 2 * nodes, rank=rank, device_type=device_type)
+    state = ZeroPPState(config, topology, CommMeter(topology), units=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _report_width_format_without_kernel(state)
+        _report_width_format_without_kernel(ZeroPPState(ZeroPPConfig(quantized_gradients=True, node_size=2),
+                                                        topology, CommMeter(topology), units=[]))
+    said = [str(w.message) for w in caught]
+    assert len(said) == (1 if warns else 0), said
+    if warns:
+        assert "plain-torch" in said[0] and "gradient_bit_allocation: false" in said[0] and device_type in said[0]
