@@ -154,8 +154,8 @@ class ZeroPPConfig:
     gradient_bit_allocation: bool = _option(
         False, QGZ, "qgZ: the inter-node hop gives each block a width from 0 to 8 bits by its scale (more bits to "
                     "larger blocks), averaging `gradient_bits` in the same bytes: least L2 error, not least Adam "
-                    "update error (it raised one measured case's loss); C++ kernel on CPU, plain torch on CUDA (said when "
-                    "sharding)")
+                    "update error (it raised one measured case's loss); C++ kernel on CPU, plain torch on CUDA "
+                    "(said when sharding)")
     gradient_bit_allocation_floor: int = _option(
         0, QGZ, "with `gradient_bit_allocation`: no nonzero block gets fewer bits than this (0 = no floor; 2 to "
                 "`gradient_bits`); 2 forbids sending a nonzero block as zeros (on the measured Llama case that ended "

@@ -218,8 +218,8 @@ def _report_techniques_that_cannot_apply(state: ZeroPPState) -> None:
 
 def _report_width_format_without_kernel(state: ZeroPPState) -> None:
     """Warn once (rank 0) when qgZ's per-block widths will run as their plain-torch specification because the
-    device has no compiled kernel for them (the CPU has one; CUDA has none yet): the same numbers, slower, and a
-    user who chose the compiled kernels would not otherwise learn that this hop does not use them. comm_stats shows
+    device has no compiled kernel for them (the CPU has one; CUDA has none yet): the same format, slower, and a user
+    who chose the compiled kernels would not otherwise learn that this hop does not use them. comm_stats shows
     it in qgZ's implementation line ("plain torch")."""
     config, topology = state.config, state.topology
     if not (config.quantized_gradients and config.gradient_bit_allocation and topology.nodes > 1):
