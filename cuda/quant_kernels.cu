@@ -32,6 +32,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "counter_hash.h"
@@ -632,13 +633,27 @@ cudaError_t with_block_shape(int64_t block_size, Fn&& fn) {
 
 using SplitShape = Shape<kSplitGroup, kChunksPerThread>;
 
+// The SM count of the current device, asked once per device: a launch costs a few microseconds and the kernels of a
+// small qgZ bucket run in about as long, so no attribute query belongs on that path. Racing first calls store the
+// same value.
+int multiprocessor_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (device >= 0 && device < kMaxDevices) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) return 1;
+  if (device >= 0 && device < kMaxDevices) cached[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
 // Two waves of CTAs at full occupancy keep every SM busy; the grid-stride loops cover the remaining tiles.
 unsigned grid_size(int64_t work_items, int items_per_cta, int cta_threads) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
-    sms = 1;
-  }
+  const int sms = multiprocessor_count();
   const int64_t cap = int64_t(sms) * (2048 / cta_threads) * 2;
   const int64_t needed = ceil_div(work_items, items_per_cta);
   return static_cast<unsigned>(needed < cap ? (needed > 0 ? needed : 1) : cap);

@@ -132,10 +132,14 @@ def post_forward_mesh_info_override(choose: Callable[[Any, Any], Any]) -> Iterat
 # The parameter-group walks below take FSDP modules and return FSDP2's FSDPParamGroup objects as opaque handles:
 # only the functions here read or write their attributes.
 
-# checked: torch 2.13
+# checked: torch 2.13 (list ``_fsdp_param_groups``), 2.11 (one optional ``_fsdp_param_group``)
 def fsdp_param_groups(module: nn.Module) -> list:
     """``module._get_fsdp_state()._fsdp_param_groups``: the FSDP unit's parameter groups (opaque handles)."""
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 # checked: torch 2.13

@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
 import hf_zeropp.kernels as K
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmarks package
+from benchmarks.timing import synchronized_seconds  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BLOCK = 256
@@ -37,16 +40,7 @@ def _parse_size(text: str) -> int:
 
 def _time(fn, device: torch.device, reps: int) -> float:
     fn()  # warm-up (and first-use build)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(synchronized_seconds(fn, device) for _ in range(reps))
 
 
 def _ops(n: int, dtype: torch.dtype, device: torch.device):

@@ -53,6 +53,23 @@ def test_every_entry_is_exercised_here():
 # ---------------------------------------------------------------- torch / FSDP2
 
 
+def test_fsdp_param_groups_reads_the_single_group_state_of_torch_2_11():
+    """torch 2.11's FSDPState holds one optional ``_fsdp_param_group`` instead of the list ``_fsdp_param_groups``
+    (seen on the GPU machine, which has torch 2.11: scripts/results/gpu_h200.md)."""
+
+    class Unit(nn.Module):
+        def __init__(self, group):
+            super().__init__()
+            self.state = type("FSDPState", (), {"_fsdp_param_group": group})()
+
+        def _get_fsdp_state(self):
+            return self.state
+
+    group = object()
+    assert _compat.fsdp_param_groups(Unit(group)) == [group]
+    assert _compat.fsdp_param_groups(Unit(None)) == []  # a unit that manages no parameters
+
+
 @pytest.fixture
 def one_rank_group():
     if dist.is_initialized():

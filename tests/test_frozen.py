@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zeropp.testing.spawn import run_distributed
-from hf_zeropp.testing.tiny_models import global_batch, tiny_gpt2
+from hf_zeropp.testing.tiny_models import global_batch, tiny_gpt2, with_stored_int8_values
 
 BLOCK = 64
 WORLD = 4
@@ -20,24 +20,6 @@ def _lora_model():
     model = tiny_gpt2(n_embd=64)
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
                                             lora_dropout=0.0, init_lora_weights=False))
-
-
-def _dequantized_reference(model, world: int = WORLD):
-    """The same model with every frozen matrix replaced by its stored INT8 value (the shard layout's blocks)."""
-    import hf_zeropp.kernels as K
-
-    head = model.get_output_embeddings().weight  # stays full precision (tied with the input embedding)
-    for parameter in model.parameters():
-        if parameter.requires_grad or parameter.dim() < 2 or parameter is head:
-            continue
-        n = parameter.numel()
-        shard = -(-n // world)
-        rows = torch.zeros(world * shard)
-        rows[:n] = parameter.detach().reshape(-1)
-        codes, scales = K.quantize(rows.view(world, shard), 8, BLOCK)
-        restored = K.dequantize(codes, scales, bits=8, block_size=BLOCK, length=shard).view(-1)[:n]
-        parameter.data.copy_(restored.view(parameter.shape))
-    return model
 
 
 def _lora_run(mixed_precision: str, output: str | None):
@@ -96,7 +78,7 @@ def fp32_run(tmp_path_factory):
 
 def test_lora_gradients_equal_a_reference_with_the_dequantized_base(fp32_run):
     results, _ = fp32_run
-    reference = _dequantized_reference(_lora_model())
+    reference = with_stored_int8_values(_lora_model(), WORLD, BLOCK)
     ids = global_batch(0, 8)
     reference(input_ids=ids, labels=ids).loss.backward()
     grads = results[0]["grads"]
@@ -153,7 +135,7 @@ def test_adapter_saves_in_peft_format_and_merges(fp32_run):
 
 def test_bf16_compute_tracks_the_reference():
     results = run_distributed(_lora_run, WORLD, "bf16", None, node_size=2)
-    reference = _dequantized_reference(_lora_model())
+    reference = with_stored_int8_values(_lora_model(), WORLD, BLOCK)
     ids = global_batch(0, 8)
     reference(input_ids=ids, labels=ids).loss.backward()
     for name, parameter in reference.named_parameters():
@@ -177,3 +159,28 @@ def _no_frozen():
 def test_no_frozen_weights_warns_and_changes_nothing():
     messages = run_distributed(_no_frozen, 2)[0]
     assert any("has no frozen Linear/Conv1D/Embedding weights; nothing was quantized" in m for m in messages)
+
+
+def test_single_gpu_end_to_end_script_equals_stock_on_cpu(tmp_path):
+    """scripts/gpu_e2e.py (the GPU check of frozen INT8 LoRA at world size 1) in its CPU dry run: the sharded model's
+    logits, greedy tokens and losses equal a stock model holding the same INT8 values, on the compiled kernels and
+    on the reference ones."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_e2e.py"
+    subprocess.run([sys.executable, str(script), "--device", "cpu", "--hidden", "64", "--layers", "2", "--batch", "2",
+                    "--seq", "32", "--new-tokens", "6", "--train-steps", "3", "--warmup", "0", "--rounds", "1",
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    report = json.loads((tmp_path / "gpu_e2e.json").read_text())
+    checks = report["correctness"]
+    compiled = report["compiled_backend"]
+    assert checks["generate: tokens equal to stock"] == {compiled: True, "reference": True}
+    for name in (compiled, "reference"):
+        assert checks[f"logits ({name}): largest difference to stock / largest stock logit"] <= 1e-6
+    assert checks[f"losses ({compiled}): largest difference to stock"] <= 1e-6
+    assert checks[f"losses ({compiled}) bit-identical to the reference kernels'"]
+    assert all(len(losses) == 3 for losses in checks["losses"].values())
+    assert report["timing"]["medians"][compiled]["step_ms"] > 0

@@ -1,5 +1,6 @@
-"""Property-based fuzzing of the quantization kernels: the compiled CPU backend ("cpp") must equal
-the plain-torch reference ("reference") bit for bit on *any* input the public API accepts.
+"""Property-based fuzzing of the quantization kernels: the compiled backends ("cpp" on CPU tensors, "cuda" on CUDA
+tensors where a GPU is visible) must equal the plain-torch reference on CPU ("reference") bit for bit on *any* input
+the public API accepts. The per-block-width format has no CUDA kernel, so its tests run "cpp" only.
 
 ``tests/test_kernels.py`` checks hand-picked shapes; here hypothesis draws the shapes (0 and 1 elements, primes,
 lengths that leave tail blocks), dtypes (fp32/fp16/bf16), bits, block sizes (odd ones only where 8-bit allows
@@ -30,6 +31,8 @@ FUZZ = settings(deadline=None, derandomize=True, max_examples=1000, database=Non
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (backend, device) of every compiled backend this machine can run
+COMPILED = [("cpp", "cpu")] + ([("cuda", "cuda")] if torch.cuda.is_available() else [])
 # 0 and 1 elements, primes, powers of two and their neighbours, plus anything up to 700
 LENGTHS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 7, 8, 31, 97, 127, 128, 129, 257, 509, 1021]),
                     st.integers(0, 700))
@@ -41,6 +44,7 @@ SPECIAL_KINDS = ["nan", "inf", "-inf", "denormal", "zero_block", "huge", "underf
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Bitwise equality, except that any NaN matches any NaN (payloads are not part of the format)."""
+    actual = actual.cpu()
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     if actual.is_floating_point():
@@ -62,16 +66,18 @@ def block_sizes(draw, *bits: int) -> int:
 
 
 def _layout(values: torch.Tensor, layout: str) -> torch.Tensor:
-    """The same values as ``values`` (rows, L), stored contiguously or as a non-contiguous / offset view."""
+    """The same values as ``values`` (rows, L), stored contiguously or as a non-contiguous / offset view, on
+    ``values``' device."""
     rows, length = values.shape
+    device = values.device
     if layout == "transposed":  # strides (1, rows)
         return values.t().contiguous().t()
     if layout == "strided":  # every other column of a wider buffer
-        wide = torch.full((rows, 2 * length), 12345.0, dtype=values.dtype)
+        wide = torch.full((rows, 2 * length), 12345.0, dtype=values.dtype, device=device)
         wide[:, ::2] = values
         return wide[:, ::2]
     if layout == "offset":  # a view that starts inside its storage
-        big = torch.full((rows + 1, length), -7.0, dtype=values.dtype)
+        big = torch.full((rows + 1, length), -7.0, dtype=values.dtype, device=device)
         big[1:] = values
         return big[1:]
     return values
@@ -127,23 +133,31 @@ def random_codes(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- quantize
 
 
+@pytest.mark.parametrize("backend,device", COMPILED)
 @FUZZ
 @given(data=st.data(), rows=ROWS, length=LENGTHS, dtype=st.sampled_from(DTYPES), bits=BITS,
        layout=st.sampled_from(["contiguous", "transposed", "strided", "offset"]), stochastic=st.booleans(),
        seed=SEEDS, lead=st.sampled_from([(), (2,)]))
-def test_quantize_and_round_trip_match_reference(data, rows, length, dtype, bits, layout, stochastic, seed, lead):
+def test_quantize_and_round_trip_match_reference(backend, device, data, rows, length, dtype, bits, layout, stochastic,
+                                                 seed, lead):
     block = data.draw(block_sizes(bits))
-    x = _layout(data.draw(float_rows(rows, length, dtype)), layout)
-    if lead:  # a 3-D input: leading dimensions are flattened into rows
-        x = torch.stack([x, x.flip(0)]) if rows else x.unsqueeze(0).expand(2, rows, length)
+    values = data.draw(float_rows(rows, length, dtype))
+
+    def arrange(on: str) -> torch.Tensor:
+        x = _layout(values.to(on), layout)
+        if lead:  # a 3-D input: leading dimensions are flattened into rows
+            x = torch.stack([x, x.flip(0)]) if rows else x.unsqueeze(0).expand(2, rows, length)
+        return x
+
+    x = arrange("cpu")
     ref = K.quantize(x, bits, block, stochastic=stochastic, seed=seed, backend="reference")
-    got = K.quantize(x, bits, block, stochastic=stochastic, seed=seed, backend="cpp")
+    got = K.quantize(arrange(device), bits, block, stochastic=stochastic, seed=seed, backend=backend)
     assert_same(got.codes, ref.codes)
     assert_same(got.scales, ref.scales)
     out_dtype = data.draw(st.sampled_from(DTYPES))
     kwargs = dict(bits=bits, block_size=block, length=length, dtype=out_dtype)
     back_ref = K.dequantize(*ref, backend="reference", **kwargs)
-    assert_same(K.dequantize(*got, backend="cpp", **kwargs), back_ref)
+    assert_same(K.dequantize(*got, backend=backend, **kwargs), back_ref)
     # the format's promises hold on whatever was drawn: zero blocks exact, a non-finite block never comes back finite
     if x.numel():
         flat_x = x.float().reshape(-1, length)
@@ -156,11 +170,12 @@ def test_quantize_and_round_trip_match_reference(data, rows, length, dtype, bits
 # ---------------------------------------------------------------------------------------------------- dequantize
 
 
+@pytest.mark.parametrize("backend,device", COMPILED)
 @FUZZ
 @given(data=st.data(), rows=ROWS, length=LENGTHS, bits=BITS, dtype=st.sampled_from(DTYPES),
        code_seed=st.integers(0, 2**31 - 1), transposed=st.booleans(), into_view=st.booleans())
-def test_dequantize_of_arbitrary_codes_and_scales_matches_reference(data, rows, length, bits, dtype, code_seed,
-                                                                   transposed, into_view):
+def test_dequantize_of_arbitrary_codes_and_scales_matches_reference(backend, device, data, rows, length, bits, dtype,
+                                                                   code_seed, transposed, into_view):
     block = data.draw(block_sizes(bits))
     codes = random_codes((rows, K.packed_length(length, bits)), code_seed)
     if transposed:
@@ -168,41 +183,46 @@ def test_dequantize_of_arbitrary_codes_and_scales_matches_reference(data, rows, 
     scales = data.draw(scales_like((rows, K.num_blocks(length, block))))
     kwargs = dict(bits=bits, block_size=block, length=length, dtype=dtype)
     ref = K.dequantize(codes, scales, backend="reference", **kwargs)
+    codes, scales = codes.to(device), scales.to(device)
     if into_view:  # out= a contiguous view inside a larger buffer, as qwZ writes into FSDP's gather buffer
-        buffer = torch.full((rows + 1, length), 5.0, dtype=dtype)
-        got = K.dequantize(codes, scales, backend="cpp", out=buffer[1:], **kwargs)
+        buffer = torch.full((rows + 1, length), 5.0, dtype=dtype, device=device)
+        got = K.dequantize(codes, scales, backend=backend, out=buffer[1:], **kwargs)
         assert bool((buffer[0] == 5.0).all()), "dequantize wrote outside its out= view"
     else:
-        got = K.dequantize(codes, scales, backend="cpp", **kwargs)
+        got = K.dequantize(codes, scales, backend=backend, **kwargs)
     assert_same(got, ref)
 
 
 # ---------------------------------------------------------------------------------------------------- qgZ kernels
 
 
+@pytest.mark.parametrize("backend,device", COMPILED)
 @FUZZ
 @given(data=st.data(), nodes=st.integers(1, 4), node_size=st.integers(1, 4), stages=st.integers(1, 3),
        length=st.one_of(st.sampled_from([0, 1, 2, 3, 7, 13, 31]), st.integers(0, 90)),
        dtype=st.sampled_from(DTYPES), bits=BITS, stochastic=st.booleans(), seed=SEEDS,
        layout=st.sampled_from(["contiguous", "strided", "offset"]))
-def test_swizzle_quantize_matches_reference(data, nodes, node_size, stages, length, dtype, bits, stochastic, seed,
-                                            layout):
+def test_swizzle_quantize_matches_reference(backend, device, data, nodes, node_size, stages, length, dtype, bits,
+                                            stochastic, seed, layout):
     block = data.draw(block_sizes(bits))
     slices = nodes * node_size * stages
-    x = _layout(data.draw(float_rows(1, slices * length, dtype)), layout)[0]  # a 1-D (possibly strided) buffer
+    values = data.draw(float_rows(1, slices * length, dtype))
     args = (nodes, node_size, stages, bits, block)
-    ref = K.swizzle_quantize(x, *args, stochastic=stochastic, seed=seed, backend="reference")
-    got = K.swizzle_quantize(x, *args, stochastic=stochastic, seed=seed, backend="cpp")
+    # a 1-D (possibly strided) buffer
+    ref = K.swizzle_quantize(_layout(values, layout)[0], *args, stochastic=stochastic, seed=seed, backend="reference")
+    got = K.swizzle_quantize(_layout(values.to(device), layout)[0], *args, stochastic=stochastic, seed=seed,
+                             backend=backend)
     assert_same(got.codes, ref.codes)
     assert_same(got.scales, ref.scales)
 
 
+@pytest.mark.parametrize("backend,device", COMPILED)
 @FUZZ
 @given(data=st.data(), k=st.integers(1, 5), rows=st.sampled_from([0, 1, 2, 3]),
        length=st.one_of(st.sampled_from([0, 1, 2, 7, 97]), st.integers(0, 400)), in_bits=BITS, out_bits=BITS,
        stochastic=st.booleans(), seed=SEEDS, code_seed=st.integers(0, 2**31 - 1), from_quantize=st.booleans())
-def test_dequant_reduce_quant_matches_reference(data, k, rows, length, in_bits, out_bits, stochastic, seed, code_seed,
-                                                from_quantize):
+def test_dequant_reduce_quant_matches_reference(backend, device, data, k, rows, length, in_bits, out_bits, stochastic,
+                                                seed, code_seed, from_quantize):
     block = data.draw(block_sizes(in_bits, out_bits))
     if from_quantize:  # realistic payloads: k ranks' quantized gradients, special values included
         x = data.draw(float_rows(k * rows, length, torch.float32)).view(k, rows, length)
@@ -213,17 +233,19 @@ def test_dequant_reduce_quant_matches_reference(data, k, rows, length, in_bits, 
     kwargs = dict(in_bits=in_bits, out_bits=out_bits, block_size=block, length=length, stochastic=stochastic,
                   seed=seed)
     ref = K.dequant_reduce_quant(codes, scales, backend="reference", **kwargs)
-    got = K.dequant_reduce_quant(codes, scales, backend="cpp", **kwargs)
+    got = K.dequant_reduce_quant(codes.to(device), scales.to(device), backend=backend, **kwargs)
     assert_same(got.codes, ref.codes)
     assert_same(got.scales, ref.scales)
 
 
+@pytest.mark.parametrize("backend,device", COMPILED)
 @FUZZ
 @given(data=st.data(), k=st.integers(1, 5), rows=st.sampled_from([0, 1, 2, 3]),
        length=st.one_of(st.sampled_from([0, 1, 2, 7, 97]), st.integers(0, 400)), bits=BITS,
        dtype=st.sampled_from(DTYPES), scale=st.sampled_from([1.0, 0.25, 1 / 3, 1 / 6, 0.0, -0.5, 1e-30, 7.0]),
        code_seed=st.integers(0, 2**31 - 1), use_out=st.booleans(), transposed=st.booleans())
-def test_dequant_reduce_matches_reference(data, k, rows, length, bits, dtype, scale, code_seed, use_out, transposed):
+def test_dequant_reduce_matches_reference(backend, device, data, k, rows, length, bits, dtype, scale, code_seed,
+                                          use_out, transposed):
     block = data.draw(block_sizes(bits))
     codes = random_codes((k, rows, K.packed_length(length, bits)), code_seed)
     if transposed:  # a non-contiguous stack, as torch.stack of views can produce
@@ -231,8 +253,8 @@ def test_dequant_reduce_matches_reference(data, k, rows, length, bits, dtype, sc
     scales = data.draw(scales_like((k, rows, K.num_blocks(length, block))))
     kwargs = dict(bits=bits, block_size=block, length=length, scale=scale, dtype=dtype)
     ref = K.dequant_reduce(codes, scales, backend="reference", **kwargs)
-    out = torch.empty(rows, length, dtype=dtype) if use_out else None
-    got = K.dequant_reduce(codes, scales, backend="cpp", out=out, **kwargs)
+    out = torch.empty(rows, length, dtype=dtype, device=device) if use_out else None
+    got = K.dequant_reduce(codes.to(device), scales.to(device), backend=backend, out=out, **kwargs)
     assert_same(got, ref)
 
 

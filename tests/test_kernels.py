@@ -54,8 +54,10 @@ def _special_rows(length: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("backend,device", COMPILED)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [8, 4])
+# the last two take the CUDA kernels' split path (blocks over 16384 elements cut into tiles): two blocks and a tail
+# per row, and one whole-row block
 @pytest.mark.parametrize("length,block_size", [(1, 2), (7, 2), (97, 8), (1000, 256), (4096, 256), (3001, 1024),
-                                               (513, 4096)])
+                                               (513, 4096), (45001, 20000), (20001, 65536)])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_quantize_dequantize_match_reference(backend, device, dtype, bits, length, block_size, stochastic):
     x = _special_rows(length, dtype, seed=length + bits).to(device)
@@ -221,38 +223,76 @@ def test_swizzle_permutation_equals_the_formula(nodes, node_size, stages):
     assert torch.equal(fused.codes, K.quantize(rows, 8, 8, backend="reference").codes)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("nodes,node_size,stages", SWIZZLE_TOPOLOGIES)
-def test_two_hop_all_to_all_lands_each_ranks_reduce_scatter_shard(backend, nodes, node_size, stages):
-    """Simulate qgZ's data flow in one process: swizzle+quantize, intra-node all-to-all, dequant+reduce+requant,
-    inter-node all-to-all, dequant+reduce. Each rank must end with the average of its own chunk."""
-    world, block = nodes * node_size, 8
-    length = 20  # elements per (chunk, stage) slice
-    g = torch.Generator().manual_seed(world * stages)
-    grads = [torch.randn(world * stages * length, generator=g) for _ in range(world)]
-    swizzled = [K.swizzle_quantize(grad, nodes, node_size, stages, 8, block, backend=backend) for grad in grads]
+def _two_hop_chain(grads: list[torch.Tensor], nodes: int, node_size: int, stages: int, *, bits: int, block: int,
+                   backend: str, stochastic: bool = False, hadamard: int = 0) -> list[list[torch.Tensor]]:
+    """qgZ's data flow for every rank, simulated in one process: swizzle+quantize, intra-node all-to-all,
+    dequant+reduce+requant, inter-node all-to-all, dequant+reduce. Returns, per rank, every tensor that rank
+    computes (its hop-1 payload, its hop-2 payload per stage, its final shard)."""
+    world = nodes * node_size
+    length = grads[0].numel() // (world * stages)  # elements per (chunk, stage) slice
+    swizzled = [K.swizzle_quantize(grad, nodes, node_size, stages, bits, block, stochastic=stochastic, seed=rank,
+                                   hadamard=hadamard, backend=backend) for rank, grad in enumerate(grads)]
     per_stage = node_size * nodes
+
+    def hop_one(rank: int, stage: int) -> K.Quantized:
+        """What ``rank`` sends on to the other nodes in ``stage``: the sum over its node of the rows addressed to
+        its local index, requantized."""
+        node, local = divmod(rank, node_size)
+        first = stage * per_stage + local * nodes
+        peers = [swizzled[node * node_size + p] for p in range(node_size)]
+        return K.dequant_reduce_quant(torch.stack([q.codes[first:first + nodes] for q in peers]),
+                                      torch.stack([q.scales[first:first + nodes] for q in peers]),
+                                      in_bits=bits, out_bits=bits, block_size=block, length=length,
+                                      stochastic=stochastic, seed=1000 + rank, backend=backend)
+
+    partials = [[hop_one(rank, s) for s in range(stages)] for rank in range(world)]
+    results = []
     for rank in range(world):
         node, local = divmod(rank, node_size)
         pieces = []
-        for s in range(stages):
-            # hop 1: from every peer of my node, the `nodes` rows addressed to my local index in stage s
-            first = s * per_stage + local * nodes
-            partial = [None] * nodes
-            for m in range(nodes):  # every node's rank with my local index computes its partial the same way
-                peers_m = [swizzled[m * node_size + p] for p in range(node_size)]
-                partial[m] = K.dequant_reduce_quant(
-                    torch.stack([q.codes[first:first + nodes] for q in peers_m]),
-                    torch.stack([q.scales[first:first + nodes] for q in peers_m]),
-                    in_bits=8, out_bits=8, block_size=block, length=length, backend=backend)
-            # hop 2: from every node's partial, the row addressed to my node
-            final = K.dequant_reduce(torch.stack([p.codes[node:node + 1] for p in partial]),
-                                     torch.stack([p.scales[node:node + 1] for p in partial]),
-                                     bits=8, block_size=block, length=length, scale=1 / world, backend=backend)
-            pieces.append(final.reshape(-1))
-        shard = torch.cat(pieces)
+        for s in range(stages):  # hop 2: from every node's rank with my local index, the row addressed to my node
+            sources = [partials[m * node_size + local][s] for m in range(nodes)]
+            pieces.append(K.dequant_reduce(torch.stack([p.codes[node:node + 1] for p in sources]),
+                                           torch.stack([p.scales[node:node + 1] for p in sources]),
+                                           bits=bits, block_size=block, length=length, scale=1 / world,
+                                           hadamard=hadamard, backend=backend).reshape(-1))
+        results.append([*swizzled[rank], *(t for p in partials[rank] for t in p), torch.cat(pieces)])
+    return results
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("nodes,node_size,stages", SWIZZLE_TOPOLOGIES)
+def test_two_hop_all_to_all_lands_each_ranks_reduce_scatter_shard(backend, nodes, node_size, stages):
+    """Each rank must end with the average of its own chunk."""
+    world = nodes * node_size
+    g = torch.Generator().manual_seed(world * stages)
+    grads = [torch.randn(world * stages * 20, generator=g) for _ in range(world)]
+    shards = [chain[-1] for chain in _two_hop_chain(grads, nodes, node_size, stages, bits=8, block=8,
+                                                     backend=backend)]
+    for rank, shard in enumerate(shards):
         exact = torch.stack([grad.reshape(world, -1)[rank] for grad in grads]).mean(dim=0)
         assert torch.allclose(shard, exact, atol=0.05, rtol=0), (rank, float((shard - exact).abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("hadamard,stochastic", [(0, False), (0, True), (64, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_hop_chain_on_cuda_is_bit_identical_to_cpu(nodes, node_size, stages, hadamard, stochastic, dtype):
+    """The whole INT4 qgZ chain on CUDA tensors with the CUDA kernels equals the CPU spec at every step, for every
+    rank: heavy-tailed gradients, a tail block (slices of 1000 elements, blocks of 128)."""
+    world = nodes * node_size
+    g = torch.Generator().manual_seed(world * stages + hadamard)
+    grads = [(torch.randn(world * stages * 1000, generator=g) ** 3).to(dtype) for _ in range(world)]
+    kwargs = dict(bits=4, block=128, stochastic=stochastic, hadamard=hadamard)
+    on_cpu = _two_hop_chain(grads, nodes, node_size, stages, backend="reference", **kwargs)
+    on_cuda = _two_hop_chain([grad.cuda() for grad in grads], nodes, node_size, stages, backend="cuda", **kwargs)
+    for rank, (got, expected) in enumerate(zip(on_cuda, on_cpu)):
+        assert len(got) == len(expected)
+        for step, (a, b) in enumerate(zip(got, expected)):
+            assert a.device.type == "cuda", (rank, step)
+            assert_same(a, b)
 
 
 def _pretrained_model_dir() -> str | None:

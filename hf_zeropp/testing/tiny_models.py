@@ -93,3 +93,24 @@ def save_tiny_gpt2_with_tokenizer(directory) -> None:
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     GPT2LMHeadModel(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+def with_stored_int8_values(model, world: int, block_size: int):
+    """``model`` with every frozen matrix replaced, in place, by the value hf_zeropp's INT8 store holds for it on
+    ``world`` ranks (the flat weight cut into ``world`` equal rows, blocks of ``block_size`` along each): the stock
+    model that a sharded ``quantized_nontrainable_weights`` model must equal. The output head (and an embedding
+    tied to it) stays full precision, as in the store."""
+    import hf_zeropp.kernels as K
+
+    head = model.get_output_embeddings().weight
+    for parameter in model.parameters():
+        if parameter.requires_grad or parameter.dim() < 2 or parameter is head:
+            continue
+        n = parameter.numel()
+        shard = -(-n // world)
+        rows = torch.zeros(world * shard, device=parameter.device)
+        rows[:n] = parameter.detach().reshape(-1)
+        codes, scales = K.quantize(rows.view(world, shard), 8, block_size, backend="reference")
+        restored = K.dequantize(codes, scales, bits=8, block_size=block_size, length=shard, backend="reference")
+        parameter.data.copy_(restored.reshape(-1)[:n].view(parameter.shape))
+    return model
