@@ -52,7 +52,22 @@ def consolidated_state_dict(model: nn.Module, control_group: dist.ProcessGroup |
     INT8-stored frozen weights (``quantized_nontrainable_weights``) are not included: they are not parameters, and a
     dequantized copy would not be the weights the model was given."""
     expect_every_rank(control_group, "saving the full state dict")
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _share_tied_tensors(model, state)
+
+
+def _share_tied_tensors(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """Give names that alias one parameter (tied input embedding and output layer) one tensor again.
+
+    Consolidation gathers each name on its own, so tied names come back as equal but separate tensors; transformers
+    writes a tied duplicate only once when the two share storage, as in a stock ``state_dict()``, so without this the
+    saved file would hold the matrix twice (vocabulary x hidden size more bytes than stock writes)."""
+    first_name: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owner = first_name.setdefault(id(parameter), name)
+        if owner != name and owner in state and name in state:
+            state[name] = state[owner]
+    return state
 
 
 def consolidate(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import full_parameters, make_optimizer, relative_error, tiny_gpt2, train
@@ -207,6 +208,11 @@ def test_checkpoint_resume_is_exact_and_reshards_to_another_world_size(tmp_path,
     assert config_json["architectures"] == ["GPT2LMHeadModel"]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    # the same tensors as stock save_pretrained writes: the tied matrix once
+    tiny_gpt2().save_pretrained(tmp_path / "stock")
+    with safe_open(tmp_path / "final" / "model.safetensors", "pt") as ours, \
+            safe_open(tmp_path / "stock" / "model.safetensors", "pt") as stock:
+        assert sorted(ours.keys()) == sorted(stock.keys())
     for name, value in loaded.named_parameters():
         assert torch.equal(value.detach(), first["params"][name]), name
 
