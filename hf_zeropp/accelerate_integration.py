@@ -25,6 +25,7 @@ from torch import nn
 from ._compat import accelerator_models, accelerator_optimizers, accelerator_registry, is_accelerate_prepared
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroPPConfig
+from .full_state import consolidated_state_dict
 from .sharding import clip_grad_norm_, rebind_optimizer, shard_model
 from .sharding import no_sync as zeropp_no_sync
 
@@ -158,9 +159,7 @@ class Accelerator(accelerate.Accelerator):
         """Consolidated (full, CPU) state dict on the main process, empty elsewhere — collective for sharded models."""
         if not is_sharded(model):
             return super().get_state_dict(model, unwrap=unwrap)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return consolidated_state_dict(model, model._zeropp.topology.control_group)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: str = "10GB",
                    safe_serialization: bool = True) -> None:

@@ -96,6 +96,16 @@ def _logits(model_dir: Path) -> torch.Tensor:
         return model(input_ids=_batch(99, 0, 0, size=4)).logits
 
 
+def _saved_tensor_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as tensors:
+            names += tensors.keys()
+    return sorted(names)
+
+
 def _one_call_prepare(mode: str, workdir: Path) -> dict:
     """prepare(model, optimizer, loader, scheduler) in one call; accumulation, clipping, gather_for_metrics over an
     uneven evaluation set; the state dict and the three ways of saving a model; load_state_dict of full tensors."""
@@ -121,8 +131,9 @@ def _one_call_prepare(mode: str, workdir: Path) -> dict:
     accelerator.save_model(model, workdir / "save_model")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        result["reloaded_logits"] = {name: _logits(workdir / name)
-                                     for name in ("no_state_dict", "with_state_dict", "save_model")}
+        saved = ("no_state_dict", "with_state_dict", "save_model")
+        result["reloaded_logits"] = {name: _logits(workdir / name) for name in saved}
+        result["saved_tensors"] = {name: _saved_tensor_names(workdir / name) for name in saved}
 
     unwrapped.load_state_dict(initial)  # full tensors into a trained (sharded) model
     with torch.no_grad():
@@ -221,8 +232,10 @@ def test_get_state_dict_equals_stock(accelerate_results, mode):
 @pytest.mark.parametrize("saved", ["no_state_dict", "with_state_dict", "save_model"])
 def test_saved_models_reload_with_plain_transformers(accelerate_results, mode, saved):
     """``unwrap_model(model).save_pretrained(dir, is_main_process=..., save_function=accelerator.save)`` with and
-    without ``state_dict``, and ``save_model``: loadable by plain transformers, logits equal to the saved weights'."""
+    without ``state_dict``, and ``save_model``: loadable by plain transformers, logits equal to the saved weights',
+    and the same tensors in the files as stock writes (the tied embedding/head once)."""
     ours = accelerate_results[mode]["one_call"]
+    assert ours["saved_tensors"][saved] == accelerate_results["stock"]["one_call"]["saved_tensors"][saved]
     logits = ours["reloaded_logits"][saved]
     reference = accelerate_results["stock"]["one_call"]["reloaded_logits"][saved]
     if mode == "zeropp":  # compare with this mode's own weights: its training differs from stock by quantization
