@@ -298,6 +298,7 @@ def _trainer_summary(trainer, output_dir: Path, first_step: int = 0) -> dict:
     if dist.get_rank() == 0:
         result["reloaded_logits"] = _logits(output_dir / "final")
         result["best_checkpoint_logits"] = _logits(Path(trainer.state.best_model_checkpoint))
+        result["saved_tensors"] = _saved_tensor_names(output_dir / "final")
     return result
 
 
@@ -366,9 +367,11 @@ def test_trainer_load_best_model_at_end_restores_the_best_checkpoint(trainer_res
 @pytest.mark.parametrize("mode", TRAINER_MODES)
 def test_trainer_save_model_reloads_with_plain_transformers(trainer_results, mode):
     """``save_model`` after load_best_model_at_end writes the best checkpoint's weights (which evaluate exactly as the
-    model did at that step: test above), and under zero3 the weights stock training reaches."""
+    model did at that step: test above), and under zero3 the weights stock training reaches; the folder holds the
+    tensors stock writes (the tied embedding/head once)."""
     result = trainer_results[mode]
     assert torch.equal(result["reloaded_logits"], result["best_checkpoint_logits"])
+    assert result["saved_tensors"] == trainer_results["stock"]["saved_tensors"]
     if mode in EXACT_MODES:
         ours, stock = result["reloaded_logits"], trainer_results["stock"]["reloaded_logits"]
         assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-5), float((ours - stock).abs().max())
