@@ -70,9 +70,11 @@ def _share_tied_tensors(model: nn.Module, state: dict[str, Any]) -> dict[str, An
     return state
 
 
-def consolidate(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A state dict with every DTensor replaced by its full tensor (collective: each DTensor is gathered)."""
-    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state_dict.items()}
+def consolidate(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``model``'s sharded ``state_dict`` with every DTensor replaced by its full tensor (collective: each DTensor is
+    gathered), tied names sharing one tensor as in a stock ``state_dict()``."""
+    full = {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state_dict.items()}
+    return _share_tied_tensors(model, full)
 
 
 @contextlib.contextmanager

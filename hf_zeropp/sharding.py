@@ -258,7 +258,7 @@ class ZeroPPModule:
         if state_dict is None:
             state_dict = consolidated_state_dict(self, control_group)
         elif holds_dtensors(state_dict):
-            state_dict = consolidate(state_dict)
+            state_dict = consolidate(self, state_dict)
         result = base(**{**named, "state_dict": state_dict}) if dist.get_rank() == 0 else None
         if collective:  # every rank returns once the files exist, as when each wrote them (stock DDP)
             dist.barrier(group=control_group)

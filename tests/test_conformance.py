@@ -128,10 +128,12 @@ def _one_call_prepare(mode: str, workdir: Path) -> dict:
                               save_function=accelerator.save)
     unwrapped.save_pretrained(workdir / "with_state_dict", is_main_process=accelerator.is_main_process,
                               save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
+    unwrapped.save_pretrained(workdir / "with_own_state_dict", is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save, state_dict=unwrapped.state_dict())
     accelerator.save_model(model, workdir / "save_model")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        saved = ("no_state_dict", "with_state_dict", "save_model")
+        saved = ("no_state_dict", "with_state_dict", "with_own_state_dict", "save_model")
         result["reloaded_logits"] = {name: _logits(workdir / name) for name in saved}
         result["saved_tensors"] = {name: _saved_tensor_names(workdir / name) for name in saved}
 
@@ -229,10 +231,11 @@ def test_get_state_dict_equals_stock(accelerate_results, mode):
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
-@pytest.mark.parametrize("saved", ["no_state_dict", "with_state_dict", "save_model"])
+@pytest.mark.parametrize("saved", ["no_state_dict", "with_state_dict", "with_own_state_dict", "save_model"])
 def test_saved_models_reload_with_plain_transformers(accelerate_results, mode, saved):
-    """``unwrap_model(model).save_pretrained(dir, is_main_process=..., save_function=accelerator.save)`` with and
-    without ``state_dict``, and ``save_model``: loadable by plain transformers, logits equal to the saved weights',
+    """``unwrap_model(model).save_pretrained(dir, is_main_process=..., save_function=accelerator.save)`` without
+    ``state_dict``, with ``accelerator.get_state_dict(model)`` and with the model's own (sharded) ``state_dict()``,
+    and ``save_model``: loadable by plain transformers, logits equal to the saved weights',
     and the same tensors in the files as stock writes (the tied embedding/head once)."""
     ours = accelerate_results[mode]["one_call"]
     assert ours["saved_tensors"][saved] == accelerate_results["stock"]["one_call"]["saved_tensors"][saved]
