@@ -1,10 +1,10 @@
-"""Train a GPT-2- or Llama-style model from a recipe YAML with ZeroPPTrainer (the Table 5 runner).
+"""Train a small causal LM (GPT-2, Llama, OPT, ...) from a recipe YAML with ZeroPPTrainer (the Table 5 runner).
 
     torchrun --nproc_per_node 4 scripts/train_gpt.py recipes/gpt350m_pile/mini/zeropp.yaml [--max_steps 20 ...]
 
-A recipe has three sections: ``model`` (``family``: ``gpt2`` (default) or ``llama``, and that family's config
-keywords), ``data`` (corpus, tokenizer, sequence length) and ``training`` (TrainingArguments keywords, including
-``zeropp``: a preset, a file or a dict). A recipe with ``base: other.yaml`` (relative to its folder) starts from that
+A recipe has three sections: ``model`` (``family``: a transformers model type, ``gpt2`` by default, and that
+family's config keywords), ``data`` (corpus, tokenizer, sequence length) and ``training`` (TrainingArguments
+keywords, including ``zeropp``: a preset, a file or a dict). A recipe with ``base: other.yaml`` (relative to its folder) starts from that
 recipe and replaces the keys it gives in each section, so a variant states only what differs. Any TrainingArguments
 flag on the command line (``--zeropp zero3``, ``--max_steps 10``, ``--output_dir ...``) overrides the recipe.
 Validation loss is evaluated on a held-out split every ``eval_steps``; every log and evaluation is appended as one
@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import yaml
 from torch.utils.data import Dataset, IterableDataset
-from transformers import (GPT2Config, GPT2LMHeadModel, HfArgumentParser, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedModel, TrainerCallback)
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, PreTrainedModel, TrainerCallback
 
 import hf_zeropp
 from hf_zeropp.testing.corpus import CORPORA, byte_sequences
@@ -89,16 +88,17 @@ def build_datasets(data: dict[str, Any]) -> tuple[Dataset | IterableDataset, Dat
 
 
 def build_model(model: dict[str, Any], vocab: int, seq_len: int) -> PreTrainedModel:
-    """A freshly initialised causal LM of the recipe's ``family`` (token 0 doubles as BOS/EOS for byte corpora)."""
+    """A freshly initialised causal LM of the recipe's ``family`` (any transformers model type: ``gpt2`` (default),
+    ``llama``, ``opt``, ...); token 0 doubles as BOS/EOS for byte corpora and no byte is padding."""
     keywords = dict(model)
     family = keywords.pop("family", "gpt2")
-    if family == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq_len, bos_token_id=0, eos_token_id=0,
-                                          **keywords))
-    if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, max_position_embeddings=seq_len, bos_token_id=0,
-                                            eos_token_id=0, pad_token_id=None, **keywords))
-    raise SystemExit(f"model family {family!r} is not supported; use 'gpt2' or 'llama'")
+    try:
+        config = AutoConfig.for_model(family, vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+                                      **keywords)
+    except ValueError as error:
+        raise SystemExit(f"model family {family!r} is not a transformers model type: {error}") from error
+    config.max_position_embeddings = seq_len  # GPT-2 maps the name onto n_positions
+    return AutoModelForCausalLM.from_config(config)
 
 
 class MetricsFile(TrainerCallback):
