@@ -68,6 +68,26 @@ def test_every_training_recipe_loads_to_a_valid_config_and_its_own_output_folder
         assert all(len(names) == 1 for names in outputs.values()), outputs
 
 
+def test_study_recipes_build_their_model_family():
+    """Each accuracy case's baseline builds the family it names, with positions for its sequence length; a misspelt
+    family stops with its name."""
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "scripts"))
+    from train_gpt import build_model, load_recipe
+
+    for folder in ("gpt350m_pile/mini", "llama_python_docs", "llama_tied", "opt_python_docs"):
+        recipe = load_recipe(root / "recipes" / folder / "zero3.yaml")
+        seq_len = int(recipe["data"]["seq_len"])
+        model = build_model(recipe["model"], 256, seq_len)
+        assert model.config.model_type == recipe["model"].get("family", "gpt2"), folder
+        assert model.config.max_position_embeddings == seq_len
+        assert model.config.tie_word_embeddings == (folder != "llama_python_docs"), folder
+    with pytest.raises(SystemExit, match="model family 'gtp2' is not a transformers model type"):
+        build_model({"family": "gtp2"}, 256, 128)
+
+
 def test_from_file_yaml_json_and_nested(tmp_path):
     (tmp_path / "a.yaml").write_text("stage: 3\nquantized_weights: true\nblock_size: 128\n")
     (tmp_path / "b.json").write_text(json.dumps({"stage": 2, "mixed_precision": "bf16"}))
