@@ -4,8 +4,9 @@
 
 A recipe has three sections: ``model`` (``family``: a transformers model type, ``gpt2`` by default, and that
 family's config keywords), ``data`` (corpus, tokenizer, sequence length) and ``training`` (TrainingArguments
-keywords, including ``zeropp``: a preset, a file or a dict). A recipe with ``base: other.yaml`` (relative to its folder) starts from that
-recipe and replaces the keys it gives in each section, so a variant states only what differs. Any TrainingArguments
+keywords, including ``zeropp``: a preset, a file or a dict). A recipe with ``base: other.yaml`` (relative to its
+folder) starts from that recipe and replaces the keys it gives in each section, so a variant states only what
+differs. Any TrainingArguments
 flag on the command line (``--zeropp zero3``, ``--max_steps 10``, ``--output_dir ...``) overrides the recipe.
 Validation loss is evaluated on a held-out split every ``eval_steps``; every log and evaluation is appended as one
 JSON line to ``<output_dir>/metrics.jsonl``, which ``scripts/report_convergence.py`` reads.

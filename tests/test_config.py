@@ -56,7 +56,8 @@ def test_every_training_recipe_loads_to_a_valid_config_and_its_own_output_folder
     sys.path.insert(0, str(root / "scripts"))
     from train_gpt import load_recipe
 
-    for folder in ("gpt350m_pile", "gpt350m_pile/mini", "llama_python_docs", "llama_stdlib", "llama_tied", "opt_python_docs"):
+    for folder in ("gpt350m_pile", "gpt350m_pile/mini", "llama_python_docs", "llama_stdlib", "llama_tied",
+                   "opt_python_docs"):
         paths = sorted((root / "recipes" / folder).glob("*.yaml"))
         assert len(paths) >= 3, folder
         outputs = {}

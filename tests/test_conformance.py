@@ -108,7 +108,7 @@ def _saved_tensor_names(folder: Path) -> list[str]:
 
 def _one_call_prepare(mode: str, workdir: Path) -> dict:
     """prepare(model, optimizer, loader, scheduler) in one call; accumulation, clipping, gather_for_metrics over an
-    uneven evaluation set; the state dict and the three ways of saving a model; load_state_dict of full tensors."""
+    uneven evaluation set; the state dict and four ways of saving a model; load_state_dict of full tensors."""
     from torch.utils.data import DataLoader
 
     accelerator = _accelerator(mode, gradient_accumulation_steps=2)
@@ -235,8 +235,8 @@ def test_get_state_dict_equals_stock(accelerate_results, mode):
 def test_saved_models_reload_with_plain_transformers(accelerate_results, mode, saved):
     """``unwrap_model(model).save_pretrained(dir, is_main_process=..., save_function=accelerator.save)`` without
     ``state_dict``, with ``accelerator.get_state_dict(model)`` and with the model's own (sharded) ``state_dict()``,
-    and ``save_model``: loadable by plain transformers, logits equal to the saved weights',
-    and the same tensors in the files as stock writes (the tied embedding/head once)."""
+    and ``save_model``: loadable by plain transformers, logits equal to the saved weights', and the same tensors in
+    the files as stock writes (the tied embedding/head once)."""
     ours = accelerate_results[mode]["one_call"]
     assert ours["saved_tensors"][saved] == accelerate_results["stock"]["one_call"]["saved_tensors"][saved]
     logits = ours["reloaded_logits"][saved]
