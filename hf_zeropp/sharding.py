@@ -101,7 +101,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
         )
     device = torch.device(device) if device is not None else _default_device()
     topology = get_topology(config, device.type)  # launch checks (node and hpZ sizes); builds no group yet
-    _units(model, config.wrap_modules)  # a wrap_modules that matches nothing fails before any collective
+    has_blocks = bool(_blocks(model, config.wrap_modules))  # a wrap_modules that matches nothing fails here
     if frozen:  # after the checks: a refused call leaves the model as it was
         model.requires_grad_(False)
     # all ranks build every group now, in order
@@ -164,6 +164,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     model._zeropp = state
     _report_techniques_that_cannot_apply(state)
     _report_width_format_without_kernel(state)
+    _report_whole_model_as_one_unit(model, state, has_blocks)
     return model
 
 
@@ -231,6 +232,28 @@ def _report_width_format_without_kernel(state: ZeroPPState) -> None:
                       f"{topology.device_type}: the per-block width format has a compiled kernel for CPU only, so "
                       f"qgZ's inter-node hop is slower than with the fixed format (same bytes, same format). Set "
                       f"gradient_bit_allocation: false to keep every qgZ step in the fused kernels", stacklevel=3)
+
+
+def _report_whole_model_as_one_unit(model: nn.Module, state: ZeroPPState, has_blocks: bool) -> None:
+    """Warn once (rank 0) when no layer became an FSDP unit of its own because the model lists no
+    ``_no_split_modules`` and no ``wrap_modules`` was given. Training is still correct, but the layers form one
+    unit: stage 3 gathers every weight at once (the full model per rank at peak, ZeRO-3's memory saving gone) and no
+    gather overlaps compute. The fix is one option, and the layer class is usually the element type of the model's
+    largest ``nn.ModuleList``, so the message names it. comm_stats shows it under ``fsdp_units``."""
+    config, topology = state.config, state.topology
+    if config.stage == 0 or has_blocks:
+        return
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    layer = type(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))[0]).__name__ if lists else None
+    fix = f"wrap_modules=[{layer!r}]" if layer else "wrap_modules=[<the class name of its layers>]"
+    source = (f"wrap_modules={config.wrap_modules} names no layer class" if config.wrap_modules is not None
+              else f"{type(model).__name__} lists no _no_split_modules")
+    reason = (f"{source}, so no layer is an FSDP unit of its own: every forward gathers all of the layers' weights "
+              f"at once and no gather overlaps compute")
+    state.meter.conditions["fsdp_units"] = f"one unit: {reason}; set {fix}"
+    if topology.rank == 0:
+        warnings.warn(f"hf_zeropp: {reason}. Set {fix} in ZeroPPConfig to shard it layer by layer",
+                      stacklevel=3)
 
 
 class ZeroPPModule:
@@ -391,11 +414,7 @@ def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
     Blocks come from ``wrap_modules`` or the model's ``_no_split_modules`` (transformers' list of layer classes
     that must stay whole). Tied embeddings stay with the root, so the shared weight lives in one unit.
     """
-    names = wrap_modules if wrap_modules is not None else no_split_modules(model)
-    blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
-    if wrap_modules and not blocks:
-        raise ValueError(f"wrap_modules={wrap_modules} matches no submodule of {type(model).__name__}; "
-                         f"use class names of its layers")
+    blocks = _blocks(model, wrap_modules)
     units: list[nn.Module] = []
     embeddings = _call(model, "get_input_embeddings")
     head = _call(model, "get_output_embeddings")
@@ -405,6 +424,16 @@ def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
     units += blocks
     inside_a_block = {id(m) for b in blocks for m in b.modules() if m is not b}
     return [u for u in units if id(u) not in inside_a_block]
+
+
+def _blocks(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
+    """The submodules whose class is named by ``wrap_modules`` or, without it, by ``_no_split_modules``."""
+    names = wrap_modules if wrap_modules is not None else no_split_modules(model)
+    blocks = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if wrap_modules and not blocks:
+        raise ValueError(f"wrap_modules={wrap_modules} matches no submodule of {type(model).__name__}; "
+                         f"use class names of its layers")
+    return blocks
 
 
 def _prefetch_gathers(model: nn.Module, units: list[nn.Module]) -> None:

@@ -225,6 +225,50 @@ def test_a_technique_that_cannot_apply_is_reported_off_with_the_reason():
         assert len(result["warnings"]) == (2 if rank == 0 else 0), result["warnings"]
 
 
+def _openai_gpt_in_two_layouts() -> dict:
+    """A transformers model that lists no _no_split_modules (OpenAI GPT), sharded as it comes and with its layers
+    named: the warnings, comm_stats' line, the units, and the losses of three AdamW steps of each."""
+    import hf_zeropp
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
+    config = OpenAIGPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0)
+    result = {}
+    for name, wrap in (("as_it_comes", None), ("layers_named", ["Block"])):
+        torch.manual_seed(0)
+        model = OpenAIGPTLMHeadModel(config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(stage=3, wrap_modules=wrap))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            ids = local_batch(step) % 64
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        result[name] = {"warnings": [str(w.message) for w in caught if "hf_zeropp" in str(w.message)],
+                        "units": len(model._zeropp.units), "losses": losses,
+                        "fsdp_units": hf_zeropp.comm_stats(model)["implementations"].get("fsdp_units")}
+    return result
+
+
+def test_a_model_without_layer_classes_is_one_unit_and_says_so_with_the_fix():
+    """OpenAI GPT lists no _no_split_modules: its layers would silently share one FSDP unit (stage 3 gathers every
+    weight at once). Rank 0 warns once, comm_stats says so with the option that fixes it, and with that option the
+    layers become units and train to the same losses."""
+    for rank, result in enumerate(run_distributed(_openai_gpt_in_two_layouts, 4, node_size=2)):
+        plain, named = result["as_it_comes"], result["layers_named"]
+        assert plain["units"] == 0 and named["units"] == 2
+        assert "OpenAIGPTLMHeadModel lists no _no_split_modules" in plain["fsdp_units"][0]
+        assert "wrap_modules=['Block']" in plain["fsdp_units"][0]
+        assert len(plain["warnings"]) == (1 if rank == 0 else 0), plain["warnings"]
+        assert named["fsdp_units"] is None and not named["warnings"]
+        assert named["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+
+
 def _frozen_weights_freed() -> dict:
     """An optimizer built on all parameters (frozen included) before prepare, with frozen INT8 weights."""
     import hf_zeropp
