@@ -246,7 +246,9 @@ def _report_whole_model_as_one_unit(model: nn.Module, state: ZeroPPState, has_bl
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     layer = type(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))[0]).__name__ if lists else None
     fix = f"wrap_modules=[{layer!r}]" if layer else "wrap_modules=[<the class name of its layers>]"
+    listed = no_split_modules(model)
     source = (f"wrap_modules={config.wrap_modules} names no layer class" if config.wrap_modules is not None
+              else f"{type(model).__name__}'s _no_split_modules {listed} match none of its modules" if listed
               else f"{type(model).__name__} lists no _no_split_modules")
     reason = (f"{source}, so no layer is an FSDP unit of its own: every forward gathers all of the layers' weights "
               f"at once and no gather overlaps compute")
