@@ -235,8 +235,8 @@ def _report_width_format_without_kernel(state: ZeroPPState) -> None:
 
 
 def _report_whole_model_as_one_unit(model: nn.Module, state: ZeroPPState, has_blocks: bool) -> None:
-    """Warn once (rank 0) when no layer became an FSDP unit of its own because the model lists no
-    ``_no_split_modules`` and no ``wrap_modules`` was given. Training is still correct, but the layers form one
+    """Warn once (rank 0) when no layer became an FSDP unit of its own: the model lists no ``_no_split_modules``
+    (or ones it does not contain) and ``wrap_modules`` names none. Training is still correct, but the layers form one
     unit: stage 3 gathers every weight at once (the full model per rank at peak, ZeRO-3's memory saving gone) and no
     gather overlaps compute. The fix is one option, and the layer class is usually the element type of the model's
     largest ``nn.ModuleList``, so the message names it. comm_stats shows it under ``fsdp_units``."""
