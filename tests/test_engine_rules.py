@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hf_zeropp.launcher import node_size_from_environment
 from hf_zeropp.testing.spawn import run_distributed
-from hf_zeropp.testing.tiny_models import full_parameters, local_batch, tiny_gpt2
+from hf_zeropp.testing.tiny_models import VOCAB, full_parameters, local_batch, make_optimizer, tiny_gpt2, train
 
 STALE_CONFIGS = {"zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
                  "hpz": {"stage": 3, "hpz_partition_size": "node"},
@@ -225,30 +225,26 @@ def test_a_technique_that_cannot_apply_is_reported_off_with_the_reason():
         assert len(result["warnings"]) == (2 if rank == 0 else 0), result["warnings"]
 
 
+def _tiny_openai_gpt():
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
+    torch.manual_seed(0)
+    return OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
 def _openai_gpt_in_two_layouts() -> dict:
     """A transformers model that lists no _no_split_modules (OpenAI GPT), sharded as it comes and with its layers
     named: the warnings, comm_stats' line, the units, and the losses of three AdamW steps of each."""
     import hf_zeropp
-    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
 
-    config = OpenAIGPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                             embd_pdrop=0.0, attn_pdrop=0.0)
     result = {}
     for name, wrap in (("as_it_comes", None), ("layers_named", ["Block"])):
-        torch.manual_seed(0)
-        model = OpenAIGPTLMHeadModel(config)
+        model = _tiny_openai_gpt()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(stage=3, wrap_modules=wrap))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(3):
-            ids = local_batch(step) % 64
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(float(loss))
+        losses = train(model, make_optimizer(model), range(3))
         result[name] = {"warnings": [str(w.message) for w in caught if "hf_zeropp" in str(w.message)],
                         "units": len(model._zeropp.units), "losses": losses,
                         "fsdp_units": hf_zeropp.comm_stats(model)["implementations"].get("fsdp_units")}
@@ -257,8 +253,10 @@ def _openai_gpt_in_two_layouts() -> dict:
 
 def test_a_model_without_layer_classes_is_one_unit_and_says_so_with_the_fix():
     """OpenAI GPT lists no _no_split_modules: its layers would silently share one FSDP unit (stage 3 gathers every
-    weight at once). Rank 0 warns once, comm_stats says so with the option that fixes it, and with that option the
-    layers become units and train to the same losses."""
+    weight at once). Rank 0 warns once, comm_stats says so with the option that fixes it, and either way the losses
+    are stock's (the same model unsharded in one process on the global batch)."""
+    stock_model = _tiny_openai_gpt()
+    stock = train(stock_model, make_optimizer(stock_model), range(3))
     for rank, result in enumerate(run_distributed(_openai_gpt_in_two_layouts, 4, node_size=2)):
         plain, named = result["as_it_comes"], result["layers_named"]
         assert plain["units"] == 0 and named["units"] == 2
@@ -266,7 +264,8 @@ def test_a_model_without_layer_classes_is_one_unit_and_says_so_with_the_fix():
         assert "wrap_modules=['Block']" in plain["fsdp_units"][0]
         assert len(plain["warnings"]) == (1 if rank == 0 else 0), plain["warnings"]
         assert named["fsdp_units"] is None and not named["warnings"]
-        assert named["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+        assert plain["losses"] == pytest.approx(stock, rel=1e-6)
+        assert named["losses"] == pytest.approx(stock, rel=1e-6)
 
 
 def _frozen_weights_freed() -> dict:
