@@ -1,12 +1,15 @@
-"""``python -m hf_zeropp env [--zeropp CONFIG] [--world N --node-size D]``: versions, kernel backends, the config
-and the topology this launch would get — everything a bug report needs, without starting any process group.
+"""The ``hf-zeropp`` command (also ``python -m hf_zeropp``).
+
+- ``hf-zeropp launch [accelerate launch options] [--zeropp CONFIG] SCRIPT [ARGS]``: run a script that does not
+  import hf_zeropp with ZeRO++ (:mod:`hf_zeropp.launch`).
+- ``hf-zeropp env [--zeropp CONFIG] [--world N --node-size D]``: versions, kernel backends, the config and the
+  topology this launch would get — everything a bug report needs, without starting any process group.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import sys
@@ -36,8 +39,6 @@ def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
         failure = kernels._build.failure(
             kernels._build.CPU_EXTENSION if device == "cpu" else kernels._build.CUDA_EXTENSION)
         print(f"  {device}: {backend}" + (f" (compiled backend failed: {failure.splitlines()[0]})" if failure else ""))
-    if zeropp is not None and zeropp.lstrip().startswith("{"):  # a JSON dict, as the Trainer's --zeropp takes
-        zeropp = json.loads(zeropp)
     config = ZeroPPConfig.coerce(zeropp, argument="--zeropp")
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     print("config:", {k: v for k, v in config.to_dict().items() if v not in (None, False)})
@@ -57,8 +58,16 @@ def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_zeropp", description=__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # every other argument is accelerate launch's or the script's
+        from .launch import launch
+
+        return launch(argv[1:])
+    parser = argparse.ArgumentParser(prog="hf-zeropp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("launch", add_help=False, help="accelerate launch with hf_zeropp installed in every worker "
+                                                  "(see `hf-zeropp launch --help`)")
     env_parser = sub.add_parser("env", help="print versions, kernel backends, config and topology")
     env_parser.add_argument("--zeropp", default=None, help="preset, config file or JSON dict (default: ZEROPP_* environment)")
     env_parser.add_argument("--world", type=int, default=None, help="world size (default: WORLD_SIZE or 1)")

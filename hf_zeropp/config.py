@@ -322,8 +322,8 @@ class ZeroPPConfig:
                ) -> ZeroPPConfig:
         """A config from any of the forms hf_zeropp's entry points accept: a ZeroPPConfig, a preset name, a
         YAML/JSON path (hf_zeropp or DeepSpeed format), a dict (hf_zeropp keys, ``{"preset": name, ...}`` or a
-        DeepSpeed config), or None (``ZEROPP_CONFIG`` / ``ZEROPP_*`` environment). ``argument`` names the value in
-        errors (the entry point's parameter).
+        DeepSpeed config) or the same as JSON text, or None (``ZEROPP_CONFIG`` / ``ZEROPP_*`` environment).
+        ``argument`` names the value in errors (the entry point's parameter).
 
         ``ZEROPP_NODE_SIZE``, when set, overrides the node size of any of them: node emulation is a property of the
         launch, not of the recipe.
@@ -334,6 +334,8 @@ class ZeroPPConfig:
             config = value
         elif isinstance(value, dict):
             config = cls.from_dict(value)
+        elif isinstance(value, str) and value.lstrip().startswith("{"):
+            config = cls.from_dict(_json_object(value, argument))
         elif isinstance(value, (str, os.PathLike)):
             text = os.fspath(value)
             if text in PRESETS:
@@ -403,8 +405,9 @@ class ZeroPPConfig:
                     f"zero_optimization.{key} has no hf_zeropp equivalent; remove it (mapped keys: "
                     f"{sorted(_DEEPSPEED_MAPPED)})"
                 )
+        # "auto" (as Hugging Face's DeepSpeed configs write it) leaves the precision to the Trainer / Accelerate
         enabled = [p for p in ("bf16", "fp16")
-                   if isinstance(ds_config.get(p), dict) and ds_config[p].get("enabled") in (True, "auto")]
+                   if isinstance(ds_config.get(p), dict) and ds_config[p].get("enabled") is True]
         if len(enabled) > 1:
             raise ValueError("the DeepSpeed config enables both bf16 and fp16; enable one of them")
         if enabled:
@@ -437,13 +440,16 @@ class ZeroPPConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> ZeroPPConfig:
-        """``ZEROPP_CONFIG`` (a file or preset name), then one ``ZEROPP_<OPTION>`` variable per option on top."""
+        """``ZEROPP_CONFIG`` (a file, a preset name or a JSON object of options, as ``hf-zeropp launch`` passes the
+        resolved config to its workers), then one ``ZEROPP_<OPTION>`` variable per option on top."""
         environ = dict(os.environ if environ is None else environ)
         source = environ.get("ZEROPP_CONFIG")
         if source is None:
             base: dict[str, Any] = {}
         elif source in PRESETS:
             base = {"preset": source}
+        elif source.lstrip().startswith("{"):
+            base = _json_object(source, "ZEROPP_CONFIG")
         else:
             base = dataclasses.asdict(cls.from_file(source))
             base.pop("extra")
@@ -465,6 +471,14 @@ class ZeroPPConfig:
         values.pop("extra")
         return values
 
+
+
+def _json_object(text: str, argument: str) -> dict[str, Any]:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{argument}={text!r} is not valid JSON ({error}); give a preset, a config file or a JSON "
+                         f"object of options") from None
 
 
 def _field_names() -> list[str]:

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._compat import process_group_timeout
 from .config import ZeroPPConfig
-from .launcher import detect_node_size
+from .node_size import detect_node_size
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Topology:
 
         The node size is, in order: ``node_size`` of the config (``ZEROPP_NODE_SIZE``), ``local_world_size`` if
         given, the launcher's variables (``LOCAL_WORLD_SIZE``, SLURM, Open MPI, MPICH, MVAPICH), or the ranks' host
-        names (a collective, only when a process group is initialised; see :mod:`hf_zeropp.launcher`). Builds no
+        names (a collective, only when a process group is initialised; see :mod:`hf_zeropp.node_size`). Builds no
         process group: the meshes and groups are built on first use."""
         if config.node_size is not None:
             node_size, source = config.node_size, "node_size in the hf_zeropp config"

@@ -27,6 +27,20 @@ from .sharding import active_techniques, comm_stats, set_techniques, zeropp_stat
 
 
 
+def take_deepspeed_config(args: TrainingArguments) -> None:
+    """Make ``args.deepspeed`` (``--deepspeed ds.json``, a path or a dict) the hf_zeropp config (``args.zeropp``)
+    and clear it, so that the Trainer neither imports DeepSpeed nor sets up its engine: whoever trains with
+    hf_zeropp's Trainer has chosen hf_zeropp. The DeepSpeed config is checked now (an unsupported key, such as an
+    offload, is an error naming the key), before any process group exists."""
+    if not args.deepspeed:
+        return
+    if getattr(args, "zeropp", None) is not None:
+        raise ValueError(f"both zeropp={args.zeropp!r} and deepspeed={args.deepspeed!r} are set; hf_zeropp takes one "
+                         f"config: drop --deepspeed, or pass the DeepSpeed file as --zeropp")
+    ZeroPPConfig.coerce(args.deepspeed, argument="--deepspeed")
+    args.zeropp, args.deepspeed = args.deepspeed, None
+
+
 @functools.cache
 def with_zeropp_field(args_class: type[TrainingArguments]) -> type[TrainingArguments]:
     """``args_class`` (TrainingArguments or a TRL config such as ``SFTConfig``) plus a ``zeropp`` field, usable from
@@ -42,6 +56,7 @@ def with_zeropp_field(args_class: type[TrainingArguments]) -> type[TrainingArgum
         )
 
         def __post_init__(self) -> None:
+            take_deepspeed_config(self)
             super().__post_init__()
             ZeroPPConfig.coerce(self.zeropp, argument="zeropp")  # a bad value fails here, before any process group
 
@@ -203,4 +218,5 @@ class ZeroPPTrainer(ZeroPPTrainerMixin, Trainer):
     """``transformers.Trainer`` with hf_zeropp sharding."""
 
 
-__all__ = ["ZeroPPCallback", "ZeroPPTrainer", "ZeroPPTrainerMixin", "ZeroPPTrainingArguments", "with_zeropp_field"]
+__all__ = ["ZeroPPCallback", "ZeroPPTrainer", "ZeroPPTrainerMixin", "ZeroPPTrainingArguments", "take_deepspeed_config",
+           "with_zeropp_field"]

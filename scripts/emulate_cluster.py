@@ -84,6 +84,21 @@ def requirements_problem() -> str | None:
     return None
 
 
+def namespaces_problem() -> str | None:
+    """Why the emulator cannot run here (no root, no iproute2, or a kernel that refuses network namespaces), or
+    None: :func:`requirements_problem` plus one namespace made and removed."""
+    problem = requirements_problem()
+    if problem:
+        return problem
+    probe = f"{PREFIX}{os.getpid()}-n0"  # this script's naming: a leftover is cleaned by the emulator's next start
+    ip = find_tool("ip")
+    made = subprocess.run([ip, "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here ({made.stderr.strip()})"
+    subprocess.run([ip, "netns", "del", probe], capture_output=True)
+    return None
+
+
 def parse_rate(text: str) -> int | None:
     """``100mbit`` -> 100_000_000 bits/s; ``none`` -> None. Accepts tc's bit units (kbit, mbit, gbit, bit)."""
     if text.lower() in ("none", "off", "unshaped", "0"):

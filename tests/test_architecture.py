@@ -1,4 +1,4 @@
-"""The package's imports run one way: from the leaves (kernels, launcher, the private-API shim) through config,
+"""The package's imports run one way: from the leaves (kernels, node-size detection, the private-API shim) through config,
 topology, the meter, the techniques and sharding to checkpoints and the integrations — no module imports one
 above its layer, so there is no import cycle (top-level, function-local and type-checking imports all count)."""
 
@@ -12,7 +12,7 @@ import hf_zeropp
 PACKAGE = Path(hf_zeropp.__file__).resolve().parent
 
 LAYERS = [
-    {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "launcher", "layout",
+    {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
      "_compat", "testing", "testing.corpus", "testing.spawn", "testing.tiny_models"},
     {"config"},
     {"topology"},
@@ -22,6 +22,8 @@ LAYERS = [
     {"checkpoint"},
     {"accelerate_integration"},
     {"trainer"},
+    {"launch"},
+    {"dropin"},
     {"", "__main__", "kernels.__main__"},
 ]
 

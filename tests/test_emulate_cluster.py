@@ -24,20 +24,7 @@ sys.path.insert(0, str(SCRIPTS))
 import emulate_cluster  # noqa: E402
 
 
-def _cluster_problem() -> str | None:
-    problem = emulate_cluster.requirements_problem()
-    if problem:
-        return problem
-    probe = f"zpp-{os.getpid()}-n0"  # this script's naming: a leftover is cleaned by the emulator's next start
-    ip = emulate_cluster.find_tool("ip")
-    made = subprocess.run([ip, "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create network namespaces here ({made.stderr.strip()})"
-    subprocess.run([ip, "netns", "del", probe], capture_output=True)
-    return None
-
-
-_PROBLEM = _cluster_problem()
+_PROBLEM = emulate_cluster.namespaces_problem()
 needs_cluster = pytest.mark.skipif(_PROBLEM is not None, reason=f"emulated cluster unavailable: {_PROBLEM}")
 
 

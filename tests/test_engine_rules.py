@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_zeropp.launcher import node_size_from_environment
+from hf_zeropp.node_size import node_size_from_environment
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import VOCAB, full_parameters, local_batch, make_optimizer, tiny_gpt2, train
 

@@ -93,8 +93,9 @@ def _compile(extension: str, verbose: bool, sources: Path | None = None) -> str:
     if ready.is_file():  # a cached build of these exact sources, maybe from another checkout: just load it
         torch.ops.load_library(str(library))
         return str(library)
-    print(f"hf_zeropp: building the {extension} kernels into {build_dir} (~40 s, once per source version)",
-          file=sys.stderr, flush=True)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # the node's other ranks wait for this build (below)
+        print(f"hf_zeropp: building the {extension} kernels into {build_dir} (~40 s, once per source version)",
+              file=sys.stderr, flush=True)
     build_dir.mkdir(parents=True, exist_ok=True)
     common = dict(name=name, sources=[str(sources / f) for f in SOURCES[extension]], build_directory=str(build_dir),
                   is_python_module=False, verbose=verbose)

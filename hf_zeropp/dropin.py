@@ -1,0 +1,166 @@
+"""What ``hf-zeropp launch`` installs in each worker before the user's script runs, and the workers' entry point.
+
+``python -m hf_zeropp.dropin SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``) installs hf_zeropp, then runs the
+script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes these stock names, and nothing else:
+
+- ``accelerate.Accelerator`` is :class:`hf_zeropp.Accelerator`, whose config comes from ``ZEROPP_CONFIG`` (the
+  launcher puts the resolved config there as JSON);
+- every ``transformers.Trainer`` — TRL's trainers and the script's own subclasses included — gets
+  :class:`~hf_zeropp.ZeroPPTrainerMixin` in front of its class when it is built, as
+  ``class X(ZeroPPTrainerMixin, SFTTrainer)`` would. This is done when the trainer is built, not by replacing the
+  name ``Trainer``: TRL's classes may subclass Trainer before any script line runs;
+- ``HfArgumentParser`` (and TRL's copy of it) gives every ``TrainingArguments`` class (TRL's configs too) a
+  ``--zeropp`` option;
+- ``TrainingArguments(deepspeed=...)`` takes the DeepSpeed config as the hf_zeropp config instead of importing
+  DeepSpeed (:func:`hf_zeropp.trainer.take_deepspeed_config`).
+
+``import hf_zeropp`` installs nothing; :func:`install` does, :func:`uninstall` undoes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import runpy
+import sys
+from typing import Any
+
+import accelerate
+import accelerate.accelerator
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from .accelerate_integration import Accelerator
+from .config import ZeroPPConfig
+from .launch import RESTORE_ENVIRONMENT
+from .topology import Topology
+from .trainer import ZeroPPTrainerMixin, take_deepspeed_config, with_zeropp_field
+
+_originals: dict[tuple[Any, str], Any] = {}
+
+
+def _replace(owner: Any, name: str, value: Any) -> None:
+    _originals[(owner, name)] = owner.__dict__[name]
+    setattr(owner, name, value)
+
+
+def installed() -> bool:
+    return bool(_originals)
+
+
+def install() -> None:
+    """Make the stock names listed in the module docstring run on hf_zeropp (idempotent)."""
+    if installed():
+        return
+    _replace(accelerate, "Accelerator", Accelerator)
+    _replace(accelerate.accelerator, "Accelerator", Accelerator)
+    _replace(Trainer, "__init__", _with_mixin_at_init(Trainer.__init__))
+    for parser_class in _argument_parsers():
+        _replace(parser_class, "__init__", _with_zeropp_fields(parser_class.__init__))
+    _replace(TrainingArguments, "__post_init__", _taking_deepspeed_config(TrainingArguments.__post_init__))
+
+
+def _argument_parsers() -> list[type]:
+    """transformers' HfArgumentParser, and TRL's own copy of it (TRL >= 1.0 parses its configs with that one)."""
+    parsers = [HfArgumentParser]
+    if importlib.util.find_spec("trl") is not None:
+        try:
+            from trl.scripts._hf_argparser import HfArgumentParser as TrlArgumentParser
+        except ImportError:  # TRL before 1.0: TrlParser subclasses transformers' parser
+            return parsers
+        parsers.append(TrlArgumentParser)
+    return parsers
+
+
+def uninstall() -> None:
+    """Give the stock names their stock values back."""
+    for (owner, name), value in _originals.items():
+        setattr(owner, name, value)
+    _originals.clear()
+
+
+@functools.cache
+def _class_with_mixin(trainer_class: type) -> type:
+    """``trainer_class`` with the mixin in front, under the same name (what its logs and errors show)."""
+    return type(trainer_class.__name__, (ZeroPPTrainerMixin, trainer_class),
+                {"__module__": trainer_class.__module__, "__qualname__": trainer_class.__qualname__,
+                 "__doc__": trainer_class.__doc__})
+
+
+def _with_mixin_at_init(stock_init: Any) -> Any:
+    @functools.wraps(stock_init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(self, ZeroPPTrainerMixin):  # a script that already uses the mixin keeps its class
+            self.__class__ = _class_with_mixin(type(self))
+        stock_init(self, *args, **kwargs)
+    return __init__
+
+
+def _with_zeropp_fields(stock_init: Any) -> Any:
+    @functools.wraps(stock_init)
+    def __init__(self, dataclass_types: Any = None, **kwargs: Any) -> None:
+        if dataclass_types is not None:
+            types = [dataclass_types] if isinstance(dataclass_types, type) else list(dataclass_types)
+            dataclass_types = [with_zeropp_field(t) if _lacks_zeropp_field(t) else t for t in types]
+        stock_init(self, dataclass_types, **kwargs)
+    return __init__
+
+
+def _lacks_zeropp_field(dataclass_type: Any) -> bool:
+    return (isinstance(dataclass_type, type) and issubclass(dataclass_type, TrainingArguments)
+            and "zeropp" not in getattr(dataclass_type, "__dataclass_fields__", {}))
+
+
+def _taking_deepspeed_config(stock_post_init: Any) -> Any:
+    @functools.wraps(stock_post_init)
+    def __post_init__(self) -> None:
+        take_deepspeed_config(self)
+        stock_post_init(self)
+    return __post_init__
+
+
+def describe(config: ZeroPPConfig, topology: Topology) -> str:
+    """The one line rank 0 prints at start: what runs on hf_zeropp, the config, and the nodes."""
+    techniques = [f"stage {config.stage}"]
+    if config.quantized_weights:
+        techniques.append(f"qwZ int{config.weight_bits}")
+    if topology.hpz_size > 1:
+        techniques.append(f"hpZ over {topology.hpz_size} ranks")
+    if config.quantized_gradients:
+        intra = config.gradient_intra_bits or config.gradient_bits
+        techniques.append(f"qgZ int{intra}/int{config.gradient_bits}")
+    if config.quantized_nontrainable_weights:
+        techniques.append("frozen weights INT8")
+    if config.mixed_precision != "no":
+        techniques.append(config.mixed_precision)
+    return (f"hf_zeropp launch: accelerate.Accelerator, transformers.Trainer (TRL's trainers too) and "
+            f"HfArgumentParser (--zeropp, --deepspeed) run on hf_zeropp; config: {', '.join(techniques)}; "
+            f"{topology.nodes} node(s) x {topology.node_size} ranks (node size from {topology.node_size_source})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Install, put the user's environment back, then run ``SCRIPT ARGS`` or ``-m MODULE ARGS``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        raise SystemExit("usage: python -m hf_zeropp.dropin SCRIPT [ARGS...] | -m MODULE [ARGS...]")
+    for name, value in json.loads(os.environ.pop(RESTORE_ENVIRONMENT, "{}")).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    config = ZeroPPConfig.coerce(None, argument="ZEROPP_CONFIG")
+    topology = Topology.from_config(config, int(os.environ.get("WORLD_SIZE", "1")))
+    install()
+    if os.environ.get("RANK", "0") == "0":
+        print(describe(config, topology), flush=True)
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

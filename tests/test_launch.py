@@ -1,0 +1,391 @@
+"""Conformance, third column: unmodified scripts under ``hf-zeropp launch``.
+
+Scripts that never import hf_zeropp (``tests/launch_scripts``: Accelerate patterns, a Transformers-example-style
+Trainer script, and TRL's own ``trl.scripts.sft`` / ``trl.scripts.dpo``) run under the launcher with one YAML file
+or one flag, and are compared with the same script ported by hand (import changed: bit for bit) and with the same
+script under stock ``accelerate launch`` (DDP: 1e-6 where nothing is quantized). The bad inputs are refused with
+one line before any worker starts. Each launch is 4 CPU processes, 2 emulated nodes x 2 ranks where it matters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hf_zeropp.launch import launch
+from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
+BIN = Path(sys.executable).parent
+STOCK_CPU = ROOT / "recipes" / "accelerate" / "cpu_4proc.yaml"
+ONE_FILE_2X2 = ROOT / "recipes" / "accelerate" / "cpu_2x2.yaml"  # zeropp preset, node_size 2
+EXACT = 1e-6
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _run(command: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> str:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    for name in [n for n in full_env if n.startswith("ZEROPP_")]:
+        if env is None or name not in env:
+            del full_env[name]  # only what a test sets reaches the launch
+    result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, _first_failure(result.stdout + result.stderr)
+    return result.stdout + result.stderr
+
+
+def _first_failure(output: str) -> str:
+    """From the first traceback on (a failing rank's own error comes before the launcher's summary), and the end."""
+    lines = output.splitlines()
+    first = next((i for i, line in enumerate(lines) if "Traceback" in line or "Fatal" in line), max(0, len(lines) - 80))
+    return "\n".join(lines[first:first + 80] + ["..."] + lines[-30:])
+
+
+def _hf_zeropp_launch(*args: str, env: dict[str, str] | None = None) -> str:
+    return _run([str(BIN / "hf-zeropp"), "launch", "--main_process_port", _port(), *args], env)
+
+
+def _stock_launch(*args: str, env: dict[str, str] | None = None) -> str:
+    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(STOCK_CPU), "--main_process_port", _port(),
+                 *args], {"ACCELERATE_USE_CPU": "true", **(env or {})})
+
+
+def _close(actual: list[float], expected: list[float], rel: float) -> bool:
+    return len(actual) == len(expected) > 0 and all(abs(a - e) <= rel * abs(e) for a, e in zip(actual, expected))
+
+
+def _logs(folder: Path) -> list[dict]:
+    return json.loads((folder / "trainer_state.json").read_text())["log_history"]
+
+
+def _series(logs: list[dict], key: str) -> list[float]:
+    return [entry[key] for entry in logs if key in entry]
+
+
+def _write_yaml(path: Path, **settings) -> str:
+    base = yaml.safe_load(STOCK_CPU.read_text())
+    path.write_text(yaml.safe_dump({**base, **settings}))
+    return str(path)
+
+
+# ---------------------------------------------------------------- Accelerate
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory) -> dict[str, dict]:
+    work = tmp_path_factory.mktemp("accelerate")
+    output = _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(SCRIPTS / "accelerate_patterns.py"),
+                               "--output", str(work / "launched"))
+    _stock_launch(str(SCRIPTS / "accelerate_patterns_imported.py"), "--output", str(work / "imported"),
+                  env={"ZEROPP_CONFIG": "zeropp", "ZEROPP_NODE_SIZE": "2"})
+    runs = {name: torch.load(work / name / "results.pt", weights_only=False) for name in ("launched", "imported")}
+    runs["launched"]["output"] = output
+    return runs
+
+
+def test_accelerate_script_under_the_launcher_equals_the_ported_script_bit_for_bit(accelerate_runs):
+    """One-call prepare with accumulation, clipping, a scheduler and gather_for_metrics; split prepare; save_state
+    then load_state into a fresh run; save_model: the same numbers as the script with ``from hf_zeropp import
+    Accelerator``, and the ported run's meter shows ZeRO++'s three techniques at work."""
+    launched, imported = accelerate_runs["launched"], accelerate_runs["imported"]
+    hf_zeropp_accelerator = "hf_zeropp.accelerate_integration.Accelerator"
+    assert launched["accelerator_class"] == imported["accelerator_class"] == hf_zeropp_accelerator
+    for pattern in ("one_call", "split_prepare", "uninterrupted", "resumed"):
+        assert launched[pattern] == imported[pattern], pattern
+    assert launched["resumed"] == launched["uninterrupted"]
+    assert launched["one_call"]["loss"][-1] < launched["one_call"]["loss"][0] - 0.05
+    assert launched["evaluated"] == list(range(11))
+    assert all(torch.equal(launched["state_dict"][n], imported["state_dict"][n]) for n in imported["state_dict"])
+    stats = imported["report"]
+    assert stats["fwd_allgather"]["inter_node"] > 0 and "qwZ int8" in stats["implementations"]["fwd_allgather"][0]
+    assert stats["bwd_allgather"]["inter_node"] == 0 and stats["bwd_allgather"]["intra_node"] > 0  # hpZ
+    assert stats["qgz_inter"]["inter_node"] > 0  # qgZ
+
+
+def test_rank_0_says_once_what_was_installed_and_the_resolved_config(accelerate_runs):
+    lines = [line for line in accelerate_runs["launched"]["output"].splitlines()
+             if line.startswith("hf_zeropp launch:")]
+    assert len(lines) == 1, lines
+    assert "accelerate.Accelerator" in lines[0] and "transformers.Trainer" in lines[0]
+    assert "stage 3, qwZ int8, hpZ over 2 ranks, qgZ int4/int4" in lines[0]
+    assert "2 node(s) x 2 ranks (node size from node_size in the hf_zeropp config)" in lines[0]
+
+
+# ---------------------------------------------------------------- Trainer
+
+TRAINER_ARGS = ("--max_steps", "6", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                "--learning_rate", "1e-2", "--adam_epsilon", "1e-6", "--max_grad_norm", "1.0", "--eval_strategy",
+                "steps", "--eval_steps", "3", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
+                "--use_cpu", "--seed", "0")
+DEEPSPEED_ZEROPP = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                                          "zero_quantized_gradients": True},
+                    "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}
+
+
+def _emulate_cluster_module():
+    spec = importlib.util.spec_from_file_location("emulate_cluster", ROOT / "scripts" / "emulate_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+def _launch_on_two_machines(*args: str) -> None:
+    """``hf-zeropp launch --num_machines 2 ... ARGS`` once per machine, 2 processes each: on the emulated cluster (a
+    network namespace per node) where this machine allows it, else as two machines on this host."""
+    options = ["--config_file", str(STOCK_CPU), "--num_machines", "2", "--num_processes", "4",
+               "--main_process_port", _port()]
+    if _emulate_cluster_module().namespaces_problem() is None:
+        per_node = 'exec "$0" launch --machine_rank "$ZPP_NODE_RANK" --main_process_ip "$ZPP_MASTER_ADDR" "$@"'
+        _run([sys.executable, str(ROOT / "scripts" / "emulate_cluster.py"), "--nodes", "2", "--nproc-per-node", "2",
+              "--link", "none", "--raw", "--", "sh", "-c", per_node, str(BIN / "hf-zeropp"), *options, *args])
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    machines = [subprocess.Popen([str(BIN / "hf-zeropp"), "launch", *options, "--machine_rank", str(rank),
+                                  "--main_process_ip", "127.0.0.1", *args], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [machine.communicate(timeout=300)[0] for machine in machines]
+    assert all(m.returncode == 0 for m in machines), "\n".join(o[-4000:] for o in outputs)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    work = tmp_path_factory.mktemp("trainer")
+    script = str(SCRIPTS / "trainer_example.py")
+    _stock_launch(script, "--output_dir", str(work / "stock"), *TRAINER_ARGS)
+    # the one-file YAML asks for zeropp; the launcher's --zeropp overrides it
+    _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "--zeropp", "zero3", script,
+                      "--output_dir", str(work / "zero3"), *TRAINER_ARGS)
+    deepspeed = work / "ds_config.json"
+    deepspeed.write_text(json.dumps(DEEPSPEED_ZEROPP))
+    _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "deepspeed"),
+                      "--deepspeed", str(deepspeed), *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
+    accelerate_deepspeed = _write_yaml(work / "deepspeed.yaml", distributed_type="DEEPSPEED", deepspeed_config={
+        "deepspeed_config_file": str(deepspeed), "zero3_init_flag": True})
+    _hf_zeropp_launch("--config_file", accelerate_deepspeed, script, "--output_dir", str(work / "accelerate_deepspeed"),
+                      *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
+    # two machines of 2 ranks: the node size comes from the launch itself
+    _launch_on_two_machines(script, "--output_dir", str(work / "two_machines"), "--zeropp", "zeropp", *TRAINER_ARGS)
+    names = ("stock", "zero3", "deepspeed", "accelerate_deepspeed", "two_machines")
+    return {name: _logs(work / name) for name in names} | {"work": work}
+
+
+def test_trainer_script_with_zeropp_zero3_equals_stock_ddp(trainer_runs):
+    """The Transformers-example script under the launcher (``--zeropp zero3``, which overrides the YAML's
+    ``zeropp:``) against the same script under stock ``accelerate launch`` (DDP): losses, gradient norms and
+    evaluation losses to 1e-6; the saved folders load with plain transformers and give the same logits."""
+    stock, ours = trainer_runs["stock"], trainer_runs["zero3"]
+    assert _series(stock, "loss")[-1] < _series(stock, "loss")[0] - 0.05
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert _close(_series(ours, key), _series(stock, key), EXACT), (key, _series(ours, key), _series(stock, key))
+    assert "zeropp/fwd_allgather_intra_node_bytes" in ours[0]
+    assert "zeropp/fwd_allgather_intra_node_bytes" not in stock[0]
+    from transformers import GPT2LMHeadModel
+
+    ids = torch.arange(16).reshape(1, 16) % 64
+    logits = {name: GPT2LMHeadModel.from_pretrained(trainer_runs["work"] / name)(input_ids=ids).logits
+              for name in ("stock", "zero3")}
+    assert torch.allclose(logits["zero3"], logits["stock"], rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_deepspeed_flag_runs_zeropp_and_equals_zeropp_on_two_machines(trainer_runs):
+    """``--deepspeed ds.json`` (stage 3 + zero_quantized_weights + zero_hpz_partition_size + zero_quantized_gradients),
+    without DeepSpeed installed, equals ``--zeropp zeropp`` launched on two machines of 2 ranks (``--num_machines
+    2``) bit for bit, and so does an Accelerate YAML with ``distributed_type: DEEPSPEED`` naming the same file; the
+    logs show qwZ, hpZ and qgZ at work."""
+    deepspeed, two_machines = trainer_runs["deepspeed"], trainer_runs["two_machines"]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert _series(deepspeed, key) == _series(two_machines, key), key
+        assert _series(trainer_runs["accelerate_deepspeed"], key) == _series(deepspeed, key), key
+    first = deepspeed[0]
+    zero3 = trainer_runs["zero3"][0]
+    gathered = {name: run["zeropp/fwd_allgather_intra_node_bytes"] + run["zeropp/fwd_allgather_inter_node_bytes"]
+                for name, run in (("zeropp", first), ("zero3", zero3))}
+    assert first["zeropp/fwd_allgather_inter_node_bytes"] > 0 and gathered["zeropp"] < 0.6 * gathered["zero3"]
+    assert first["zeropp/bwd_allgather_inter_node_bytes"] == 0 and first["zeropp/bwd_allgather_intra_node_bytes"] > 0
+    assert first["zeropp/qgz_inter_inter_node_bytes"] > 0
+    assert _close(_series(deepspeed, "loss"), _series(trainer_runs["stock"], "loss"), 0.02)
+
+
+# ---------------------------------------------------------------- TRL's own scripts
+
+TRL_ARGS = ("--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--adam_epsilon", "1e-6", "--bf16",
+            "false", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none",
+            "--use_cpu", "--seed", "0", "--max_steps", "3", "--max_length", "32")
+
+
+@pytest.fixture(scope="module")
+def trl_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    pytest.importorskip("trl", reason="TRL is optional (pip install hf_zeropp[rlhf]); scripts/setup.sh installs it")
+    work = tmp_path_factory.mktemp("trl")
+    save_tiny_gpt2_with_tokenizer(work / "base")
+    for name, rows in (("sft", [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"} for i in range(32)]),
+                       ("dpo", [{"prompt": f"x{i} =", "chosen": f" {i * 7}", "rejected": " none"} for i in range(32)])):
+        (work / f"{name}_data").mkdir()
+        (work / f"{name}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = ("--model_name_or_path", str(work / "base"), *TRL_ARGS)
+    # SFT: ZeRO++ from the one-file YAML; DPO: ZeRO-3 from --zeropp on the script's command line (TRL's parser)
+    _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "-m", "trl.scripts.sft", "--dataset_name",
+                      str(work / "sft_data"), "--output_dir", str(work / "sft_launched"), *common)
+    _hf_zeropp_launch("--config_file", str(STOCK_CPU), "-m", "trl.scripts.dpo", "--dataset_name",
+                      str(work / "dpo_data"), "--output_dir", str(work / "dpo_launched"), "--zeropp", "zero3", *common)
+    for kind, config in (("sft", {"ZEROPP_CONFIG": "zeropp", "ZEROPP_NODE_SIZE": "2"}),
+                         ("dpo", {"ZEROPP_CONFIG": "zero3"})):
+        _stock_launch(str(SCRIPTS / "trl_script_imported.py"), kind, "--dataset_name", str(work / f"{kind}_data"),
+                      "--output_dir", str(work / f"{kind}_imported"), *common, env=config)
+    return {f"{kind}_{way}": _logs(work / f"{kind}_{way}" / "checkpoint-3")
+            for kind in ("sft", "dpo") for way in ("launched", "imported")}
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_scripts_under_the_launcher_equal_the_ported_scripts(trl_runs, kind):
+    """TRL's own ``trl.scripts.sft`` (ZeRO++ from the one-file YAML) and ``trl.scripts.dpo`` (a reference model too;
+    ``--zeropp zero3`` parsed by TRL's own argument parser), unmodified: the same losses, bit for bit, as the scripts
+    with their trainer ported to hf_zeropp's mixin by hand, and hf_zeropp's bytes in their logs. (The TRL trainers
+    behind the mixin against stock TRL: tests/test_conformance.py.)"""
+    launched, imported = trl_runs[f"{kind}_launched"], trl_runs[f"{kind}_imported"]
+    assert len(_series(launched, "loss")) == 3
+    for key in ("loss", "grad_norm"):
+        assert _series(launched, key) == _series(imported, key), key
+    first = launched[0]
+    if kind == "sft":
+        assert first["zeropp/fwd_allgather_inter_node_bytes"] > 0  # qwZ
+        assert first["zeropp/bwd_allgather_inter_node_bytes"] == 0  # hpZ
+        assert first["zeropp/qgz_inter_inter_node_bytes"] > 0  # qgZ
+    else:
+        assert first["zeropp/fwd_allgather_intra_node_bytes"] > 0 and "zeropp/qgz_inter_inter_node_bytes" not in first
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_a_failing_worker_ends_the_launch_with_its_traceback(tmp_path):
+    result = subprocess.run([str(BIN / "hf-zeropp"), "launch", "--config_file", str(STOCK_CPU), "--main_process_port",
+                             _port(), str(SCRIPTS / "fails_on_rank_1.py")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "rank 1 fails on purpose" in result.stderr
+    assert result.stderr.rstrip().splitlines()[-1].startswith("hf-zeropp launch: the workers failed")
+
+
+def _refused(capsys, *argv: str) -> str:
+    """``hf-zeropp launch ARGV`` in this process: status 2 and one line naming the problem, no worker started."""
+    code = launch(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("hf-zeropp launch: error: "), (code, err)
+    return err[0]
+
+
+def test_bad_input_is_one_line_before_any_worker_starts(tmp_path, capsys):
+    script = str(SCRIPTS / "trainer_example.py")
+    line = _refused(capsys, "--config_file", _write_yaml(tmp_path / "a.yaml", zeropp={"stage": 3, "qwz": True}),
+                    script)
+    assert "unknown hf_zeropp option(s) ['qwz']" in line
+    line = _refused(capsys, "--config_file", _write_yaml(tmp_path / "b.yaml", distributed_type="FSDP"), script)
+    assert "distributed_type FSDP conflicts" in line
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), "--use_fsdp", script)
+    assert "distributed_type FSDP conflicts" in line
+    line = _refused(capsys, "--config_file", _write_yaml(
+        tmp_path / "c.yaml", distributed_type="DEEPSPEED",
+        deepspeed_config={"zero_stage": 3, "offload_optimizer_device": "cpu"}), script)
+    assert "offload_optimizer_device='cpu' (offload) is not supported" in line
+    offloading = tmp_path / "offload.json"
+    offloading.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    line = _refused(capsys, "--config_file", _write_yaml(
+        tmp_path / "d.yaml", distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_config_file": str(offloading)}),
+        script)
+    assert "offload_param.device='cpu'" in line and "remove offload_param" in line
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), script, "--deepspeed", str(offloading))
+    assert "offload_param.device='cpu'" in line
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), str(tmp_path / "missing.py"))
+    assert "missing.py' does not exist" in line
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), "-m", "no_such_module_here")
+    assert "module 'no_such_module_here' (-m) is not importable" in line
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), "--zeropp", "zero4", script)
+    assert "zero4" in line and "neither a preset" in line
+
+
+def test_the_console_script_refuses_before_starting_workers(tmp_path):
+    result = subprocess.run([str(BIN / "hf-zeropp"), "launch", "--config_file", str(STOCK_CPU),
+                             str(tmp_path / "missing.py")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"hf-zeropp launch: error: script '{tmp_path / 'missing.py'}' does not exist (working directory {os.getcwd()})"]
+
+
+# ---------------------------------------------------------------- import alone changes nothing
+
+_CHECK_INSTALL = """
+import accelerate, transformers
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+stock = (accelerate.Accelerator, Trainer.__init__, HfArgumentParser.__init__, TrainingArguments.__post_init__)
+import hf_zeropp
+from hf_zeropp import dropin
+now = lambda: (accelerate.Accelerator, Trainer.__init__, HfArgumentParser.__init__, TrainingArguments.__post_init__)
+assert now() == stock, "import hf_zeropp changed a stock name"
+dropin.install()
+assert accelerate.Accelerator is hf_zeropp.Accelerator and all(a is not b for a, b in zip(now()[1:], stock[1:]))
+parser = HfArgumentParser(TrainingArguments)
+(args,) = parser.parse_args_into_dataclasses(["--output_dir", "x", "--zeropp", "zero3", "--use_cpu"])
+assert args.zeropp == "zero3"
+dropin.uninstall()
+assert now() == stock, "uninstall left a change"
+print("ok")
+"""
+
+
+def test_import_installs_nothing_and_uninstall_restores_stock():
+    result = subprocess.run([sys.executable, "-c", _CHECK_INSTALL], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(tmp_path):
+    """What reaches Accelerate and the workers: the YAML without ``zeropp:`` and DeepSpeed, MULTI_GPU with
+    ``ACCELERATE_USE_CPU`` on a machine without GPUs, ``python -m hf_zeropp.dropin SCRIPT ARGS``, and the config as
+    JSON with ``--zeropp`` over the YAML."""
+    from hf_zeropp import ZeroPPConfig
+    from hf_zeropp.launch import parser, prepare
+
+    script = str(SCRIPTS / "trainer_example.py")
+    config_file = _write_yaml(tmp_path / "in.yaml", distributed_type="MULTI_CPU", use_cpu=True,
+                              zeropp={"preset": "zeropp", "node_size": 2})
+    args = parser().parse_args(["--config_file", config_file, script, "--max_steps", "1"])
+    environment = prepare(args, tmp_path)
+    written = yaml.safe_load(Path(args.config_file).read_text())
+    assert "zeropp" not in written and written["num_processes"] == 4
+    if not torch.cuda.is_available():
+        assert (written["distributed_type"], written["use_cpu"], environment["ACCELERATE_USE_CPU"]) == (
+            "MULTI_GPU", False, "true")
+    assert (args.training_script, args.module) == ("hf_zeropp.dropin", True)
+    assert args.training_script_args == [script, "--max_steps", "1"]
+    resolved = ZeroPPConfig.from_dict(json.loads(environment["ZEROPP_CONFIG"]))
+    assert resolved == ZeroPPConfig.preset("zeropp", node_size=2)
+    assert environment["PYTHONPATH"].split(os.pathsep)[0] == str(SCRIPTS)
+
+    args = parser().parse_args(["--config_file", config_file, "--zeropp", "zero2", script])
+    assert json.loads(prepare(args, tmp_path)["ZEROPP_CONFIG"]) == ZeroPPConfig.preset("zero2").to_dict()
+
+    deepspeed = tmp_path / "ds.json"
+    deepspeed.write_text(json.dumps(DEEPSPEED_ZEROPP))
+    args = parser().parse_args(["--config_file", _write_yaml(
+        tmp_path / "ds.yaml", distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_config_file": str(deepspeed),
+                                                                              "zero3_save_16bit_model": True}), script])
+    environment = prepare(args, tmp_path)
+    written = yaml.safe_load(Path(args.config_file).read_text())
+    assert "deepspeed_config" not in written and written["distributed_type"] == "MULTI_GPU" and not args.use_deepspeed
+    mapped = ZeroPPConfig.from_dict(json.loads(environment["ZEROPP_CONFIG"]))
+    assert mapped == ZeroPPConfig(stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True)
