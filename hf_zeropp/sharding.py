@@ -1,6 +1,6 @@
 """shard_model: ZeRO stages 0-3 on torch FSDP2, with hf_zeropp's metered (and, for ZeRO++, quantized) comms.
 
-How each stage maps onto FSDP2 (README "How the stages map onto FSDP2" explains where this differs from
+How each stage maps onto FSDP2 (docs/design.md, "How the stages map onto FSDP2", explains where this differs from
 DeepSpeed):
 
 * stage 3 — every unit reshards after forward: one all-gather in forward, one in backward, one reduce-scatter.

@@ -8,7 +8,7 @@ writes into a preallocated ``out`` (as qwZ writes into FSDP's all-gather buffer)
 measured side by side in one run; the script prints the issue's targets and whether each was met:
 CPU ``cpp`` >= 5x the reference for INT8/INT4 quantize and dequantize at 16M elements; GPU >= 85 % of copy
 bandwidth at >= 16M elements and >= 5x the reference; ``swizzle_quantize`` within 10 % of plain ``quantize``.
-It also prints the cost of qgZ's Hadamard rotation (README "Beyond ZeRO++"): the two ops that rotate, with ``hadamard=64``,
+It also prints the cost of qgZ's Hadamard rotation (docs/accuracy.md, "Beyond ZeRO++"): the two ops that rotate, with ``hadamard=64``,
 timed against the same ops without it.
 """
 

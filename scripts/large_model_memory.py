@@ -4,7 +4,7 @@
     python scripts/large_model_memory.py --shapes 355m --paths eager meta pretrained
     python scripts/large_model_memory.py --shapes 1.5b --preset zero3 --steps 1   # hpZ would add 1/2 model per rank
 
-Paths (README "Large models"):
+Paths (docs/large-models.md):
   eager       every rank builds the full model (GPT2LMHeadModel(config)), then shard_model — the path before
               meta-device support;
   meta        every rank builds it under torch.device("meta"); shard_model initialises only its shards;

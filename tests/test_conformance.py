@@ -410,8 +410,8 @@ def _trl_trainer(kind: str, mode: str, base: Path, output_dir: Path):
 
     import hf_zeropp
 
-    # bf16=False: TRL defaults to bf16, where stock Accelerate autocasts and hf_zeropp casts the weights (README,
-    # "Differences from stock"); the exact comparison is made in fp32
+    # bf16=False: TRL defaults to bf16, where stock Accelerate autocasts and hf_zeropp casts the weights
+    # (docs/design.md, "Differences from stock"); the exact comparison is made in fp32
     common = dict(output_dir=str(output_dir), per_device_train_batch_size=2, learning_rate=1e-3, adam_epsilon=1e-6,
                   bf16=False, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0)
     if kind == "sft":

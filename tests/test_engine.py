@@ -115,7 +115,7 @@ def test_bytes_per_step_match_zero_theory(four_ranks_two_nodes):
 
 def test_per_rank_state_follows_the_zero_formulas(four_ranks_two_nodes):
     """Stage 1 shards optimizer state 1/N, stage 2 also gradients, stage 3 also parameters (FSDP2 shards all three
-    at rest for every stage >= 1; see README for where that differs from DeepSpeed)."""
+    at rest for every stage >= 1; see docs/design.md for where that differs from DeepSpeed)."""
     world = 4
     full = _model_bytes()
     for rank_result in four_ranks_two_nodes:

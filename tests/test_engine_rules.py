@@ -1,4 +1,4 @@
-"""The engine's rules (README "Engine rules"): no forward computes with stale weights, ranks start from the same
+"""The engine's rules (docs/design.md, "Engine rules"): no forward computes with stale weights, ranks start from the same
 weights as under DDP, the node size is found from the launch, a technique that cannot apply says so, frozen weights
 are not kept alive by an optimizer, and comm_stats names every implementation that ran."""
 

@@ -1,4 +1,4 @@
-"""Models larger than one rank (README "Large models"): a model built on the meta device is initialised shard by
+"""Models larger than one rank (docs/large-models.md): a model built on the meta device is initialised shard by
 shard exactly as its own init does on the full model; a model only rank 0 loads reaches every rank's shards; frozen
 INT8 weights are quantized from the loaded values; layouts that cannot work fail on every rank with the fix."""
 

@@ -98,7 +98,7 @@ def _row_floors(usable: torch.Tensor, counts: torch.Tensor, budget: int, floor: 
     allocation's gain is free and which part takes precision from small blocks. A floor of 2 keeps most of the
     trade and only forbids sending a nonzero block as all zeros, which the unfloored rule does to the same small
     blocks step after step (starving Adam's second moment there). On the measured Llama case it ended that
-    starvation but not the loss cost (README, "A 2-bit floor ends the starvation")."""
+    starvation but not the loss cost (docs/accuracy.md, "A 2-bit floor ends the starvation")."""
     check_floor(floor)
     usable_counts = (usable.to(torch.int64) * counts).sum(-1, keepdim=True)
     floors = torch.zeros_like(usable_counts)
