@@ -6,15 +6,8 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, sav
 from .config import PRESETS, ZeroPPConfig
 from .inference import gathered_for_inference
 from .materialize import from_pretrained
-from .sharding import (
-    active_techniques,
-    comm_stats,
-    gathered_parameter_bytes,
-    no_sync,
-    set_techniques,
-    shard_model,
-    state_bytes,
-)
+from .runtime import active_techniques, comm_stats, gathered_parameter_bytes, no_sync, set_techniques, state_bytes
+from .sharding import shard_model
 
 __version__ = "0.1.0"
 
@@ -26,14 +19,11 @@ from .trainer import (  # noqa: E402  (needs transformers; imported last)
     with_zeropp_field,
 )
 
-ZeroPPPlugin = ZeroPPConfig  # the name Accelerate users expect for a plugin-style config object
-
 __all__ = [
     "Accelerator",
     "PRESETS",
     "ZeroPPCallback",
     "ZeroPPConfig",
-    "ZeroPPPlugin",
     "ZeroPPTrainer",
     "ZeroPPTrainerMixin",
     "ZeroPPTrainingArguments",

@@ -26,8 +26,10 @@ from ._compat import accelerator_models, accelerator_optimizers, accelerator_reg
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroPPConfig
 from .full_state import consolidated_state_dict
-from .sharding import clip_grad_norm_, rebind_optimizer, shard_model
-from .sharding import no_sync as zeropp_no_sync
+from .optimizer_hooks import rebind_optimizer
+from .runtime import clip_grad_norm_
+from .runtime import no_sync as zeropp_no_sync
+from .sharding import shard_model
 
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._compat import AllGather, ReduceScatter, in_backward
+from ._compat import ReduceScatter, in_backward
 from .topology import Topology
 
 
@@ -103,18 +103,6 @@ def nbytes(tensor: torch.Tensor) -> int:
 class _PlainAlloc:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
-
-
-class MeteredAllGather(_PlainAlloc, AllGather):
-    """FSDP2's all-gather, unchanged, with its bytes counted."""
-
-    def __init__(self, meter: CommMeter) -> None:
-        self.meter = meter
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
-        self.meter.record(allgather_kind(), group, nbytes(input_tensor), f"all_gather {input_tensor.dtype}")
-        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class MeteredReduceScatter(_PlainAlloc, ReduceScatter):

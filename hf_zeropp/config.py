@@ -15,13 +15,15 @@ import dataclasses
 import json
 import os
 import typing
-import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from .deepspeed_config import options_from_deepspeed
+from .field_types import (allowed_values, describe, flatten_sections, grouped_table, matches, outside_literal,
+                          parse_env)
 from .kernels.reference import MAX_HADAMARD, is_rotation_size
 
 # Block sizes are kept to multiples of 8 so that every block starts 8-element aligned for vectorized kernels.
@@ -32,37 +34,18 @@ SHARDING = "sharding"
 QWZ = "qwZ: quantized weights"
 HPZ = "hpZ: hierarchical weight partition"
 QGZ = "qgZ: quantized gradients"
+ACCURACY = "qgZ accuracy options (the `zeropp-accurate` preset)"
+EXPERIMENTAL = "qgZ experimental options (measured in docs/accuracy.md; in no preset)"
 LAUNCH = "launch"
 KERNELS = "kernels"
 SCHEDULE = "schedules (Trainer integration only)"
+# A config file may group its options under these section keys (flat keys work as well).
+SECTIONS = {"sharding": SHARDING, "weights": QWZ, "hpz": HPZ, "gradients": QGZ, "accuracy": ACCURACY,
+            "experimental": EXPERIMENTAL, "launch": LAUNCH, "kernels": KERNELS, "schedules": SCHEDULE}
 
 # ``*_until`` field -> the technique it switches off (set_techniques' keyword)
 SCHEDULED_TECHNIQUES = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
                         "quantized_gradients_until": "quantized_gradients"}
-
-# DeepSpeed zero_optimization keys hf_zeropp maps onto its own fields.
-_DEEPSPEED_MAPPED = {
-    "stage": "stage",
-    "zero_quantized_weights": "quantized_weights",
-    "zero_hpz_partition_size": "hpz_partition_size",
-    "zero_quantized_gradients": "quantized_gradients",
-    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
-}
-# DeepSpeed keys that only tune DeepSpeed's own buffers and scheduling; FSDP2 has its own, so they are ignored.
-_DEEPSPEED_TUNING_ONLY = {
-    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-    "contiguous_gradients", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", "memory_efficient_linear",
-    "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters", "use_multi_rank_bucket_allreduce",
-}
-# Top-level DeepSpeed keys that belong to the training loop (Trainer/Accelerate own them), not to sharding.
-_DEEPSPEED_TRAINER_KEYS = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
-    "communication_data_type", "prescale_gradients", "gradient_predivide_factor", "flops_profiler",
-    "activation_checkpointing", "tensorboard", "wandb", "csv_monitor", "amp", "zero_force_ds_cpu_optimizer",
-}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "ddp": {"stage": 0},
@@ -138,40 +121,44 @@ class ZeroPPConfig:
     quantized_gradients: bool = _option(
         False, QGZ, "qgZ: 2-hop quantized all-to-all instead of the gradient reduce-scatter (stages 1–3)")
     gradient_bits: Literal[8, 4] = _option(4, QGZ, "qgZ width of the inter-node hop", invalid=_UNSUPPORTED)
-    gradient_intra_bits: Literal[8, 4] | None = _option(
-        None, QGZ, "qgZ width of the intra-node hop (None = `gradient_bits`)", invalid=_UNSUPPORTED)
     gradient_block_size: int | None = _option(None, QGZ, "block size for gradients (None = `block_size`)")
-    gradient_hadamard: int = _option(
-        0, QGZ, "qgZ: Hadamard rotation group (0 = off; a power of two ≤ 128 dividing the gradient block size)")
-    gradient_error_feedback: bool = _option(
-        False, QGZ, "qgZ: error feedback on the inter-node requantization (8-bit residual, `numel / node_size` "
-                    "bytes per rank)")
-    gradient_error_feedback_decay: float = _option(
-        0.0, QGZ, "LoCo-style error feedback: the residual is a moving average, decay x the previous residual + "
-                  "(1 - decay) x this step's dropped error (0 = plain error feedback; in [0, 1))")
-    gradient_error_feedback_reset: int = _option(
-        0, QGZ, "error feedback: drop every residual after this many reductions of its unit (0 = never)")
-    gradient_bit_allocation: bool = _option(
-        False, QGZ, "qgZ: the inter-node hop gives each block a width from 0 to 8 bits by its scale (more bits to "
-                    "larger blocks), averaging `gradient_bits` in the same bytes: least L2 error, not least Adam "
-                    "update error (it raised one measured case's loss); C++ kernel on CPU, plain torch on CUDA "
-                    "(said when sharding)")
-    gradient_bit_allocation_floor: int = _option(
-        0, QGZ, "with `gradient_bit_allocation`: no nonzero block gets fewer bits than this (0 = no floor; 2 to "
-                "`gradient_bits`); 2 forbids sending a nonzero block as zeros (on the measured Llama case that ended "
-                "the starvation of small blocks, not the loss cost), `gradient_bits` moves only the bits of all-zero "
-                "blocks")
     gradient_full_precision_1d: bool = _option(
         True, QGZ, "qgZ: 1-D parameters (biases, norm gains) reduce-scattered in the reduce dtype, as DeepSpeed's "
                    "qgZ does; False quantizes them with the matrices")
-    gradient_full_precision_local: bool = _option(
-        False, QGZ, "qgZ: at each hop a rank adds its own contribution (the rows it sends itself) in fp32 instead "
-                    "of quantized: the same bytes on every link, and a hop among P peers drops 1/P of its error "
-                    "variance (much at 2 nodes, little at many)")
     qgz_pipeline_stages: int = _option(
         1, QGZ, "qgZ pipeline stages (ZeRO++ Alg. 2): intra- and inter-node hops overlap")
-    stochastic_rounding: bool = _option(False, QGZ, "unbiased, seeded stochastic rounding in qgZ")
-    seed: int = _option(0, QGZ, "seed of stochastic rounding")
+    # ---------------------------------------------------------------- qgZ accuracy options
+    gradient_hadamard: int = _option(
+        0, ACCURACY, "qgZ: Hadamard rotation group (0 = off; a power of two ≤ 128 dividing the gradient block size)")
+    gradient_intra_bits: Literal[8, 4] | None = _option(
+        None, ACCURACY, "qgZ width of the intra-node hop (None = `gradient_bits`)", invalid=_UNSUPPORTED)
+    gradient_full_precision_local: bool = _option(
+        False, ACCURACY,
+        "qgZ: at each hop a rank adds its own contribution (the rows it sends itself) in fp32 instead of quantized: "
+        "the same bytes on every link, and a hop among P peers drops 1/P of its error variance (much at 2 nodes, "
+        "little at many)")
+    # ---------------------------------------------------------------- qgZ experimental options
+    stochastic_rounding: bool = _option(False, EXPERIMENTAL, "unbiased, seeded stochastic rounding in qgZ")
+    seed: int = _option(0, EXPERIMENTAL, "seed of stochastic rounding")
+    gradient_error_feedback: bool = _option(
+        False, EXPERIMENTAL,
+        "qgZ: error feedback on the inter-node requantization (8-bit residual, `numel / node_size` bytes per rank)")
+    gradient_error_feedback_decay: float = _option(
+        0.0, EXPERIMENTAL,
+        "LoCo-style error feedback: the residual is a moving average, decay x the previous residual + (1 - decay) x "
+        "this step's dropped error (0 = plain error feedback; in [0, 1))")
+    gradient_error_feedback_reset: int = _option(
+        0, EXPERIMENTAL, "error feedback: drop every residual after this many reductions of its unit (0 = never)")
+    gradient_bit_allocation: bool = _option(
+        False, EXPERIMENTAL,
+        "qgZ: the inter-node hop gives each block a width from 0 to 8 bits by its scale (more bits to larger "
+        "blocks), averaging `gradient_bits` in the same bytes: least L2 error, not least Adam update error (it raised "
+        "one measured case's loss); C++ kernel on CPU, plain torch on CUDA (said when sharding)")
+    gradient_bit_allocation_floor: int = _option(
+        0, EXPERIMENTAL,
+        "with `gradient_bit_allocation`: no nonzero block gets fewer bits than this (0 = no floor; 2 to "
+        "`gradient_bits`); 2 forbids sending a nonzero block as zeros (on the measured Llama case that ended the "
+        "starvation of small blocks, not the loss cost), `gradient_bits` moves only the bits of all-zero blocks")
     # ---------------------------------------------------------------- launch
     node_size: int | None = _option(
         None, LAUNCH, 'ranks per node; None = from the launch (docs/design.md, "Engine rules"). Set it to emulate nodes')
@@ -262,9 +249,9 @@ class ZeroPPConfig:
             if hints[f.name] in (float, float | None) and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
                 setattr(self, f.name, value)
-            if not _matches(value, hints[f.name]):
+            if not matches(value, hints[f.name]):
                 raise TypeError(
-                    f"{f.name}={value!r} has type {type(value).__name__}; expected {_describe(hints[f.name])}"
+                    f"{f.name}={value!r} has type {type(value).__name__}; expected {describe(hints[f.name])}"
                 )
 
     def _check_enumerations(self) -> None:
@@ -274,8 +261,8 @@ class ZeroPPConfig:
         for f in fields(self):
             hint = hints[f.name]
             value = getattr(self, f.name)
-            if _outside_literal(value, hint):
-                allowed = _allowed(hint, f.metadata.get("labels", {}))
+            if outside_literal(value, hint):
+                allowed = allowed_values(hint, f.metadata.get("labels", {}))
                 raise ValueError(f"{f.name}={value!r} " + f.metadata["invalid"].format(allowed=allowed))
 
     def _check_stage_supports_options(self) -> None:
@@ -367,12 +354,13 @@ class ZeroPPConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ZeroPPConfig:
-        """From hf_zeropp keys, a ``{"preset": name, ...overrides}`` dict, or a DeepSpeed config."""
+        """From hf_zeropp keys (flat, or grouped under the :data:`SECTIONS` keys), a ``{"preset": name,
+        ...overrides}`` dict, or a DeepSpeed config."""
         if not isinstance(values, dict):
             raise TypeError(f"a ZeroPPConfig needs a mapping, got {type(values).__name__}")
         if "zero_optimization" in values:
             return cls.from_deepspeed(values)
-        values = dict(values)
+        values = flatten_sections(values, ZeroPPConfig, SECTIONS)
         if "preset" in values:
             return cls.preset(values.pop("preset"), **values)
         known = set(_field_names())
@@ -381,45 +369,8 @@ class ZeroPPConfig:
 
     @classmethod
     def from_deepspeed(cls, ds_config: dict[str, Any]) -> ZeroPPConfig:
-        """Map a DeepSpeed config's ZeRO(++) keys; DeepSpeed-only tuning keys are ignored with a warning, and keys
-        whose meaning hf_zeropp cannot honour raise."""
-        zero = ds_config.get("zero_optimization") or {}
-        if not isinstance(zero, dict):
-            raise TypeError(f"zero_optimization must be a mapping, got {type(zero).__name__}")
-        values: dict[str, Any] = {}
-        ignored = []
-        for key, value in zero.items():
-            if key in _DEEPSPEED_MAPPED:
-                values[_DEEPSPEED_MAPPED[key]] = value
-            elif key in ("offload_optimizer", "offload_param"):
-                device = (value or {}).get("device", "none") if isinstance(value, dict) else value
-                if device not in (None, "none"):
-                    raise ValueError(
-                        f"zero_optimization.{key}.device={device!r} (CPU/NVMe offload) is not supported by hf_zeropp; "
-                        f"remove {key} from the DeepSpeed config"
-                    )
-            elif key in _DEEPSPEED_TUNING_ONLY:
-                ignored.append(key)
-            else:
-                raise ValueError(
-                    f"zero_optimization.{key} has no hf_zeropp equivalent; remove it (mapped keys: "
-                    f"{sorted(_DEEPSPEED_MAPPED)})"
-                )
-        # "auto" (as Hugging Face's DeepSpeed configs write it) leaves the precision to the Trainer / Accelerate
-        enabled = [p for p in ("bf16", "fp16")
-                   if isinstance(ds_config.get(p), dict) and ds_config[p].get("enabled") is True]
-        if len(enabled) > 1:
-            raise ValueError("the DeepSpeed config enables both bf16 and fp16; enable one of them")
-        if enabled:
-            values["mixed_precision"] = enabled[0]
-        for key in ds_config:
-            if key not in ("zero_optimization", "bf16", "fp16") and key not in _DEEPSPEED_TRAINER_KEYS:
-                raise ValueError(f"DeepSpeed config key {key!r} cannot be mapped to hf_zeropp; remove it")
-        if values.get("hpz_partition_size") == 1:
-            values.pop("hpz_partition_size")
-        if ignored:
-            warnings.warn(f"hf_zeropp ignores DeepSpeed-only tuning keys {sorted(ignored)}", stacklevel=2)
-        return cls(**values)
+        """Map a DeepSpeed config's ZeRO(++) keys (:func:`hf_zeropp.deepspeed_config.options_from_deepspeed`)."""
+        return cls(**options_from_deepspeed(ds_config))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> ZeroPPConfig:
@@ -463,7 +414,7 @@ class ZeroPPConfig:
             if name not in names:
                 raise ValueError(f"environment variable {key} is not an hf_zeropp option; valid: "
                                  f"{['ZEROPP_' + n.upper() for n in sorted(names)]}")
-            overrides[name] = _parse_env(key, raw, hints[name])
+            overrides[name] = parse_env(key, raw, hints[name])
         return cls.from_dict({**base, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
@@ -486,119 +437,6 @@ def _field_names() -> list[str]:
 
 
 def option_table() -> str:
-    """The README's option table (markdown), from the fields: subject rows, then each option's default and doc."""
-    lines = ["| option | default | meaning |", "|---|---|---|"]
-    subject = None
-    for f in fields(ZeroPPConfig):
-        if f.name == "extra":
-            continue
-        if f.metadata["subject"] != subject:
-            subject = f.metadata["subject"]
-            lines.append(f"| **{subject}** | | |")
-        lines.append(f"| `{f.name}` | {render_default(f.default)} | {f.metadata['doc']} |")
-    return "\n".join(lines)
-
-
-def render_default(value: Any) -> str:
-    """A default as the README writes it: strings in double quotes, everything else as Python prints it."""
-    return f'"{value}"' if isinstance(value, str) else repr(value)
-
-
-def _union_args(hint: Any) -> tuple:
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
-        return typing.get_args(hint)
-    return (hint,)
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    """Whether ``value`` has a type ``hint`` allows (a ``Literal``'s values are checked by :func:`_outside_literal`)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
-    if origin is Literal:
-        return any(_matches(value, type(arg)) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if hint is float:
-        return isinstance(value, float)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _outside_literal(value: Any, hint: Any) -> bool:
-    """Whether ``hint`` holds a ``Literal`` and ``value`` is none of its values nor of the annotation's other types."""
-    args = _union_args(hint)
-    if not any(typing.get_origin(arg) is Literal for arg in args):
-        return False
-    for arg in args:
-        if typing.get_origin(arg) is Literal:
-            if any(type(value) is type(allowed) and value == allowed for allowed in typing.get_args(arg)):
-                return False
-        elif _matches(value, arg):
-            return False
-    return True
-
-
-def _allowed(hint: Any, labels: dict[Any, str]) -> str:
-    """The values ``hint`` allows, in words: ``0 (data parallel), 1, 2 or 3``, ``one of ('no', 'bf16', 'fp16')``,
-    ``8, 4 or None``, ``an integer or 'node'``."""
-    items = []
-    for arg in _union_args(hint):
-        if typing.get_origin(arg) is Literal:
-            values = typing.get_args(arg)
-            if len(values) > 1 and all(isinstance(v, str) for v in values):
-                items.append(f"one of {values!r}")
-            else:
-                items += [labels.get(v, repr(v)) for v in values]
-        elif arg is type(None):
-            items.append("None")
-        elif arg is int:
-            items.append("an integer")
-        else:
-            items.append(_describe(arg))
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
-
-
-def _describe(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is list:
-        return f"a list of {_describe(args[0])}"
-    if typing.get_origin(hint) is Literal:
-        return " or ".join(dict.fromkeys(type(a).__name__ for a in args))
-    if args:
-        return " or ".join(dict.fromkeys(_describe(a) for a in args))
-    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
-
-
-def _parse_env(key: str, raw: str, hint: Any) -> Any:
-    text = raw.strip()
-    if text.lower() in ("none", "null", "") and _matches(None, hint):
-        return None
-    if _matches(True, hint):
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{key}={raw!r} is not a boolean; use true or false")
-    if _matches(0.5, hint):
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{key}={raw!r} is not a number") from None
-    if _matches(1, hint):
-        try:
-            return int(text)
-        except ValueError:
-            if _matches(text, hint):
-                return text
-            raise ValueError(f"{key}={raw!r} is not an integer") from None
-    if _matches([], hint):
-        return [part.strip() for part in text.split(",") if part.strip()]
-    return text
+    """The README's option table (markdown): a row per subject with its section key, then each option's default
+    and doc."""
+    return grouped_table(ZeroPPConfig, SECTIONS)

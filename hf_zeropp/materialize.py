@@ -1,7 +1,7 @@
 """Models larger than one rank: shard_model on a model built on the meta device, or whose weights only rank 0 holds.
 
 ZeRO-3 exists for models that do not fit on one device, yet a model built or loaded in full on every rank needs one
-full copy per rank before it can be sharded. :func:`shard_model` tells three layouts apart (one small all-gather of
+full copy per rank before it can be sharded. :func:`shard_model` tells three placements apart (one small all-gather of
 what each rank holds) and takes a path for each:
 
 * ``real`` — every rank holds real weights: shard them (the ranks are made equal first, as DDP does).
@@ -36,7 +36,7 @@ from .topology import Topology
 REAL, META, RANK0 = "real", "meta", "rank0"
 
 
-def agree_on_layout(model: nn.Module, topology: Topology) -> str:
+def agree_on_placement(model: nn.Module, topology: Topology) -> str:
     """``real``, ``meta`` or ``rank0`` (see the module docstring), the same answer on every rank (collective).
 
     Any other combination fails on every rank with the same message, before FSDP's collectives start."""
@@ -46,13 +46,13 @@ def agree_on_layout(model: nn.Module, topology: Topology) -> str:
         f"partly on the meta device ({len(on_meta)} of {len(params)} parameters, e.g. {on_meta[0]})")
     everyone = [None] * topology.world_size
     dist.all_gather_object(everyone, mine, group=topology.control_group)
-    if all(layout == REAL for layout in everyone):
+    if all(placement == REAL for placement in everyone):
         return REAL
-    if all(layout == META for layout in everyone):
+    if all(placement == META for placement in everyone):
         return META
-    if everyone[0] == REAL and all(layout == META for layout in everyone[1:]):
+    if everyone[0] == REAL and all(placement == META for placement in everyone[1:]):
         return RANK0
-    described = ", ".join(f"rank {rank}: {layout}" for rank, layout in enumerate(everyone))
+    described = ", ".join(f"rank {rank}: {placement}" for rank, placement in enumerate(everyone))
     raise ValueError(
         f"shard_model needs the model's weights real on every rank, on the meta device on every rank (the model's "
         f"own init fills the shards), or real on rank 0 only (rank 0 sends them); got {described}. Build it with "
@@ -75,11 +75,11 @@ def from_pretrained(model_class: Any, name_or_path: str | Any, *args: Any, **kwa
     return model_class.from_pretrained(name_or_path, *args, **kwargs)
 
 
-def frozen_weight_source(layout: str, topology: Topology) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How ``quantize_frozen_weights`` gets the real values of a frozen weight under ``layout``."""
-    if layout == REAL:
+def frozen_weight_source(placement: str, topology: Topology) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How ``quantize_frozen_weights`` gets the real values of a frozen weight under ``placement``."""
+    if placement == REAL:
         return lambda weight: weight
-    if layout == META:
+    if placement == META:
         def refuse(weight: torch.Tensor) -> torch.Tensor:
             raise ValueError(
                 "quantized_nontrainable_weights stores frozen weights INT8 from their real values, but this model "
@@ -98,13 +98,13 @@ def frozen_weight_source(layout: str, topology: Topology) -> Callable[[torch.Ten
     return from_rank0
 
 
-def fill_shards(model: nn.Module, layout: str, rank0_state: dict[str, torch.Tensor], topology: Topology,
+def fill_shards(model: nn.Module, placement: str, rank0_state: dict[str, torch.Tensor], topology: Topology,
                 device: torch.device) -> None:
-    """Give the shards of the just-sharded ``model`` their values under ``layout`` (``real``: they have them)."""
-    if layout == REAL:
+    """Give the shards of the just-sharded ``model`` their values under ``placement`` (``real``: they have them)."""
+    if placement == REAL:
         return
-    allocated = _allocate_shards(model, device) if layout == META or topology.rank != 0 else []
-    if layout == META:
+    allocated = _allocate_shards(model, device) if placement == META or topology.rank != 0 else []
+    if placement == META:
         initialize_from_meta(model, allocated)
     else:
         load_from_rank0(model, rank0_state, topology)

@@ -93,6 +93,11 @@ class Topology:
         return _mesh(self.device_type, (self.world_size,), ("dp",))
 
     @functools.cached_property
+    def replicated_mesh(self) -> DeviceMesh:
+        """``(world, 1)``: FSDP2 on it replicates the weights and all-reduces the gradients (stage 0)."""
+        return _mesh(self.device_type, (self.world_size, 1), ("replicate", "shard"))
+
+    @functools.cached_property
     def node_mesh(self) -> DeviceMesh:
         return _mesh(self.device_type, (self.nodes, self.node_size), ("inter_node", "intra_node"))
 

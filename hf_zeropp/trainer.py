@@ -23,7 +23,8 @@ from ._compat import TrainerHooks, extend_valid_dict_fields, trainer_accelerator
 from .accelerate_integration import Accelerator, is_sharded
 from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_checkpoint, save_checkpoint
 from .config import SCHEDULED_TECHNIQUES, ZeroPPConfig
-from .sharding import active_techniques, comm_stats, set_techniques, zeropp_state
+from .runtime import active_techniques, comm_stats, set_techniques
+from .state import zeropp_state
 
 
 

@@ -76,7 +76,7 @@ from hf_zeropp.kernels.reference import hadamard_rows, num_blocks
 from hf_zeropp.layout import parameter_spans
 from hf_zeropp.qgz import make_reduce_scatter
 from hf_zeropp.qwz import make_all_gather
-from hf_zeropp.sharding import fsdp_modules, zeropp_state
+from hf_zeropp.state import fsdp_modules, zeropp_state
 from hf_zeropp.testing.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
-"""The package's imports run one way: from the leaves (kernels, node-size detection, the private-API shim) through config,
-topology, the meter, the techniques and sharding to checkpoints and the integrations — no module imports one
+"""The package's imports run one way: from the leaves (kernels, node-size detection, the private-API shim) through
+config, topology, the meter, the techniques and sharding to checkpoints and the integrations — no module imports one
 above its layer, so there is no import cycle (top-level, function-local and type-checking imports all count)."""
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ PACKAGE = Path(hf_zeropp.__file__).resolve().parent
 
 LAYERS = [
     {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
-     "_compat", "testing", "testing.corpus", "testing.spawn", "testing.tiny_models"},
+     "deepspeed_config", "field_types", "_compat", "testing", "testing.corpus", "testing.spawn", "testing.tiny_models",
+     "testing.payloads"},
     {"config"},
     {"topology"},
-    {"comm_meter", "hpz", "materialize"},
-    {"qwz", "qgz", "frozen", "full_state", "inference"},
+    {"comm_meter", "hpz", "materialize", "qgz_payload"},
+    {"qwz", "qgz", "frozen", "full_state", "inference", "state", "optimizer_hooks"},
+    {"reports", "runtime"},
     {"sharding"},
     {"checkpoint"},
     {"accelerate_integration"},

@@ -357,7 +357,8 @@ def test_widths_on_a_device_without_their_kernel_are_said_once(device_type, back
 
     from hf_zeropp.comm_meter import CommMeter
     from hf_zeropp.config import ZeroPPConfig
-    from hf_zeropp.sharding import ZeroPPState, _report_width_format_without_kernel
+    from hf_zeropp.reports import _report_width_format_without_kernel
+    from hf_zeropp.state import ZeroPPState
     from hf_zeropp.topology import Topology
 
     config = ZeroPPConfig(quantized_gradients=True, gradient_bit_allocation=True, kernel_backend=backend,

@@ -58,7 +58,8 @@ def _error_bound(world: int, nodes: int, node_size: int, stages: int, first_bits
 
 def _qgz_worker(node_size: int):
     from hf_zeropp.comm_meter import reduce_scatter_single
-    from hf_zeropp.qgz import FullPrecisionPayload, QuantizedReduceScatter
+    from hf_zeropp.qgz import QuantizedReduceScatter
+    from hf_zeropp.testing.payloads import FullPrecisionPayload
 
     topology, meter = _setup(node_size)
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -263,7 +263,8 @@ def test_readme_option_table_matches_the_field_docs_and_defaults():
     import re
     from pathlib import Path
 
-    from hf_zeropp.config import option_table, render_default
+    from hf_zeropp.config import option_table
+    from hf_zeropp.field_types import render_default
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     start = readme.index("| option | default | meaning |")
@@ -280,3 +281,23 @@ def test_readme_option_table_matches_the_field_docs_and_defaults():
         assert f.metadata.get("doc"), f"{name} has no doc"
         assert rows[name] == (render_default(f.default), f.metadata["doc"]), name
     assert table == option_table(), "regenerate the README table with hf_zeropp.config.option_table()"
+
+
+def test_options_grouped_in_sections_equal_flat_ones(tmp_path):
+    """A config file may group its options under the option table's section keys; flat keys keep working, and an
+    option under another section's key, or given twice, is an error that names where it belongs."""
+    grouped = tmp_path / "grouped.yaml"
+    grouped.write_text("zeropp:\n  sharding: {stage: 3, mixed_precision: bf16}\n  weights: {quantized_weights: true}\n"
+                       "  hpz: {hpz_partition_size: node}\n  gradients: {quantized_gradients: true}\n"
+                       "  accuracy: {gradient_hadamard: 64, gradient_intra_bits: 8}\n  launch: {node_size: 2}\n")
+    flat = ZeroPPConfig(stage=3, mixed_precision="bf16", quantized_weights=True, hpz_partition_size="node",
+                        quantized_gradients=True, gradient_hadamard=64, gradient_intra_bits=8, node_size=2)
+    assert ZeroPPConfig.from_file(grouped) == flat
+    assert ZeroPPConfig.from_dict({"preset": "zeropp", "accuracy": {"gradient_intra_bits": 8}}) == \
+        ZeroPPConfig.preset("zeropp", gradient_intra_bits=8)
+    with pytest.raises(ValueError, match="gradient_hadamard belongs under accuracy:, not under gradients:"):
+        ZeroPPConfig.from_dict({"gradients": {"gradient_hadamard": 64}})
+    with pytest.raises(ValueError, match="stage is given twice"):
+        ZeroPPConfig.from_dict({"stage": 3, "sharding": {"stage": 2}})
+    with pytest.raises(ValueError, match=r"unknown hf_zeropp option\(s\) \['qgz'\]"):
+        ZeroPPConfig.from_dict({"gradients": {"qgz": True}})

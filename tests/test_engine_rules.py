@@ -233,7 +233,7 @@ def _tiny_openai_gpt():
                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def _openai_gpt_in_two_layouts() -> dict:
+def _openai_gpt_in_two_placements() -> dict:
     """A transformers model that lists no _no_split_modules (OpenAI GPT), sharded as it comes and with its layers
     named: the warnings, comm_stats' line, the units, and the losses of three AdamW steps of each."""
     import hf_zeropp
@@ -257,7 +257,7 @@ def test_a_model_without_layer_classes_is_one_unit_and_says_so_with_the_fix():
     are stock's (the same model unsharded in one process on the global batch)."""
     stock_model = _tiny_openai_gpt()
     stock = train(stock_model, make_optimizer(stock_model), range(3))
-    for rank, result in enumerate(run_distributed(_openai_gpt_in_two_layouts, 4, node_size=2)):
+    for rank, result in enumerate(run_distributed(_openai_gpt_in_two_placements, 4, node_size=2)):
         plain, named = result["as_it_comes"], result["layers_named"]
         assert plain["units"] == 0 and named["units"] == 2
         assert "OpenAIGPTLMHeadModel lists no _no_split_modules" in plain["fsdp_units"][0]

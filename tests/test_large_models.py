@@ -1,6 +1,6 @@
 """Models larger than one rank (docs/large-models.md): a model built on the meta device is initialised shard by
 shard exactly as its own init does on the full model; a model only rank 0 loads reaches every rank's shards; frozen
-INT8 weights are quantized from the loaded values; layouts that cannot work fail on every rank with the fix."""
+INT8 weights are quantized from the loaded values; placements that cannot work fail on every rank with the fix."""
 
 from __future__ import annotations
 
@@ -262,7 +262,7 @@ def _refusals() -> dict:
     return messages
 
 
-def test_layouts_that_cannot_work_fail_on_every_rank_with_the_fix():
+def test_placements_that_cannot_work_fail_on_every_rank_with_the_fix():
     for messages in run_distributed(_refusals, 2):
         assert "built on the meta device on every rank" in messages["frozen_meta"], messages
         assert "rank 0: meta, rank 1: real" in messages["mixed"], messages

@@ -1,0 +1,41 @@
+"""What :func:`hf_zeropp.shard_model` attaches to a model (``model._zeropp``), and how the rest of the package finds
+it and the model's FSDP units."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from .comm_meter import CommMeter
+from .config import ZeroPPConfig
+from .topology import Topology
+
+
+@dataclass
+class ZeroPPState:
+    """What shard_model attaches to the model (``model._zeropp``)."""
+
+    config: ZeroPPConfig
+    topology: Topology
+    meter: CommMeter
+    units: list[nn.Module]
+    all_gathers: list = field(default_factory=list)
+    reduce_scatters: list = field(default_factory=list)
+    hpz_enabled: bool = False
+    inference_depth: int = 0  # open gathered_for_inference blocks
+
+
+def zeropp_state(model: nn.Module) -> ZeroPPState:
+    state = getattr(model, "_zeropp", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not sharded by hf_zeropp.shard_model")
+    return state
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+__all__ = ["ZeroPPState", "fsdp_modules", "zeropp_state"]
