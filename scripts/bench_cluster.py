@@ -64,15 +64,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmarks package, also when imported
 
-from benchmarks.analysis import analyse, targets  # noqa: E402
-from benchmarks.configs import CONFIGS, LINKS  # noqa: E402
-from benchmarks.orchestrate import output_folder, parse_cli, requirements_problem, run_link, run_links  # noqa: E402
-from benchmarks.report import chart, markdown, write  # noqa: E402
-from benchmarks.wire import KINDS, expected_node_wire, wire_factors  # noqa: E402
+from benchmarks.analysis import analyse, targets
+from benchmarks.configs import CONFIGS, LINKS
+from benchmarks.orchestrate import output_folder, parse_cli, requirements_problem, run_link, run_links
+from benchmarks.report import chart, markdown, write
+from benchmarks.wire import KINDS, expected_node_wire, wire_factors
 
 __all__ = ["CONFIGS", "KINDS", "LINKS", "analyse", "chart", "expected_node_wire", "main", "markdown",  # re-exported
            "requirements_problem", "run_link", "run_links", "targets", "wire_factors", "write"]

@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
 import hf_zeropp.kernels as K
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmarks package
-from benchmarks.timing import synchronized_seconds  # noqa: E402
+from benchmarks.timing import synchronized_seconds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BLOCK = 256

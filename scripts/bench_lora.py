@@ -42,9 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmarks package
 
-from benchmarks.orchestrate import output_folder, parse_cli, run_emulated  # noqa: E402
+from benchmarks.orchestrate import output_folder, parse_cli, run_emulated
 
 LINKS = ("100mbit", "1gbit", "none")
 CONFIGS = {

@@ -1,5 +1,5 @@
 """Print the conformance table: each public pattern under stock Accelerate / Trainer / TRL and under hf_zeropp
-(zero3 and ZeRO++), side by side, from the same runs the conformance tests make (tests/test_conformance.py).
+(zero3 and ZeRO++), side by side, from the patterns the conformance tests run (hf_zeropp.testing.conformance).
 
     .venv/bin/python scripts/conformance_table.py        # ~6 min on 2 CPU cores: 4 gloo ranks as 2 nodes x 2
 
@@ -8,17 +8,14 @@ Each cell is the pattern's last training loss (or what the pattern checks), ``fa
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import test_conformance as conformance  # noqa: E402
-
-from hf_zeropp.testing.spawn import run_distributed  # noqa: E402
+from hf_zeropp.testing import conformance
+from hf_zeropp.testing.spawn import run_distributed
+from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
 
 MODES = ("stock", "zero3", "zeropp")
 
@@ -44,11 +41,11 @@ def _cell(result, read) -> str:
 
 def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="conformance_"))
-    accelerate = _launch(conformance._accelerate_patterns, MODES, str(workdir / "accelerate"))
-    trainer = _launch(conformance._trainer_patterns, MODES, str(workdir / "trainer"))
-    resumed = _launch(conformance._trainer_resume_on_two_ranks, MODES, str(workdir / "trainer"), world=2)
-    conformance._save_base_model(workdir / "trl" / "base")
-    trl = _launch(conformance._trl_patterns, (*MODES, "zeropp-lora"), str(workdir / "trl"))
+    accelerate = _launch(conformance.accelerate_patterns, MODES, str(workdir / "accelerate"))
+    trainer = _launch(conformance.trainer_patterns, MODES, str(workdir / "trainer"))
+    resumed = _launch(conformance.trainer_resume_on_two_ranks, MODES, str(workdir / "trainer"), world=2)
+    save_tiny_gpt2_with_tokenizer(workdir / "trl" / "base")
+    trl = _launch(conformance.trl_patterns, (*MODES, "zeropp-lora"), str(workdir / "trl"))
 
     def last(values) -> str:
         return f"{values[-1]:.6f}"
@@ -87,7 +84,7 @@ def main() -> None:
         *[(f"TRL {kind.upper()} reference model: bytes per rank", trl,
            lambda r, kind=kind: f"{r[kind]['reference_bytes']:,}") for kind in ("dpo", "grpo")],
     ]
-    print("| pattern | " + " | ".join(f"stock" if m == "stock" else f"hf_zeropp {m}" for m in MODES)
+    print("| pattern | " + " | ".join("stock" if m == "stock" else f"hf_zeropp {m}" for m in MODES)
           + " | hf_zeropp zeropp-lora |")
     print("|---" * (len(MODES) + 2) + "|")
     for name, results, read in rows:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -80,8 +79,7 @@ from hf_zeropp.state import fsdp_modules, zeropp_state
 from hf_zeropp.testing.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from train_gpt import build_datasets, build_model, load_recipe  # noqa: E402
+from train_gpt import build_datasets, build_model, load_recipe
 
 CLASSES = ("matrices", "embeddings", "1-D", "all")
 

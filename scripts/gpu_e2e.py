@@ -28,7 +28,6 @@ import copy
 import datetime
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -37,8 +36,7 @@ import torch.distributed as dist
 import hf_zeropp
 from hf_zeropp.testing.tiny_models import with_stored_int8_values
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmarks package
-from benchmarks.timing import synchronized_seconds  # noqa: E402
+from benchmarks.timing import synchronized_seconds
 
 BLOCK = 256
 LORA_TARGETS = ["c_attn", "c_proj", "c_fc"]

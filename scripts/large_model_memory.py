@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = {"355m": {"n_embd": 1024, "n_layer": 24, "n_head": 16},   # the Table 5 shape (GPT-2 medium)
           "1.5b": {"n_embd": 1600, "n_layer": 48, "n_head": 25}}   # GPT-2 XL

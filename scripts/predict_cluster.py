@@ -41,13 +41,11 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the benchmarks package
 
-from benchmarks.analysis import link_bytes_per_s  # noqa: E402
-from benchmarks.wire import wire_factors  # noqa: E402
+from benchmarks.analysis import link_bytes_per_s
+from benchmarks.wire import wire_factors
 
 FORWARD_GATHERS = ("fwd_allgather", "frozen_allgather")
 BACKWARD_GATHERS = ("bwd_allgather",)

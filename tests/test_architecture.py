@@ -26,7 +26,7 @@ LAYERS = [
     {"trainer"},
     {"launch"},
     {"dropin"},
-    {"", "__main__", "kernels.__main__"},
+    {"", "__main__", "kernels.__main__", "testing.conformance"},
 ]
 
 

@@ -3,11 +3,6 @@ sends, read from the engine's own state and meters (a change in either must not 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
 
 def test_qgz_option_rows_report_residual_memory_and_equal_cross_node_bytes():
     import comm_table

@@ -50,10 +50,8 @@ def test_every_training_recipe_loads_to_a_valid_config_and_its_own_output_folder
     """Each Table 5 / accuracy-study recipe (``base:`` chains resolved by the runner) holds a valid ZeroPPConfig,
     and no two recipes of a study write to the same output folder (a copied recipe that kept its base's folder
     would overwrite that run)."""
-    import sys
 
     root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root / "scripts"))
     from train_gpt import load_recipe
 
     for folder in ("gpt350m_pile", "gpt350m_pile/mini", "llama_python_docs", "llama_stdlib", "llama_tied",
@@ -72,10 +70,8 @@ def test_every_training_recipe_loads_to_a_valid_config_and_its_own_output_folder
 def test_study_recipes_build_their_model_family():
     """Each accuracy case's baseline builds the family it names, with positions for its sequence length; a misspelt
     family stops with its name."""
-    import sys
 
     root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root / "scripts"))
     from train_gpt import build_model, load_recipe
 
     for folder in ("gpt350m_pile/mini", "llama_python_docs", "llama_tied", "opt_python_docs", "openai_gpt_python_docs",

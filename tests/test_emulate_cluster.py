@@ -19,9 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 
-import emulate_cluster  # noqa: E402
+import emulate_cluster
 
 
 _PROBLEM = emulate_cluster.namespaces_problem()

@@ -10,13 +10,11 @@ per-block-width format's own."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ one line before any worker starts. Each launch is 4 CPU processes, 2 emulated no
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import emulate_cluster  # scripts/
 import yaml
 
 from hf_zeropp.launch import launch
@@ -136,20 +136,12 @@ DEEPSPEED_ZEROPP = {"zero_optimization": {"stage": 3, "zero_quantized_weights": 
                     "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}
 
 
-def _emulate_cluster_module():
-    spec = importlib.util.spec_from_file_location("emulate_cluster", ROOT / "scripts" / "emulate_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up there
-    spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules[spec.name]
-
-
 def _launch_on_two_machines(*args: str) -> None:
     """``hf-zeropp launch --num_machines 2 ... ARGS`` once per machine, 2 processes each: on the emulated cluster (a
     network namespace per node) where this machine allows it, else as two machines on this host."""
     options = ["--config_file", str(STOCK_CPU), "--num_machines", "2", "--num_processes", "4",
                "--main_process_port", _port()]
-    if _emulate_cluster_module().namespaces_problem() is None:
+    if emulate_cluster.namespaces_problem() is None:
         per_node = 'exec "$0" launch --machine_rank "$ZPP_NODE_RANK" --main_process_ip "$ZPP_MASTER_ADDR" "$@"'
         _run([sys.executable, str(ROOT / "scripts" / "emulate_cluster.py"), "--nodes", "2", "--nproc-per-node", "2",
               "--link", "none", "--raw", "--", "sh", "-c", per_node, str(BIN / "hf-zeropp"), *options, *args])

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import quantizer_floor  # noqa: E402
+import quantizer_floor
 
 
 def test_lloyd_max_matches_the_closed_form_and_max_1960():

@@ -65,7 +65,6 @@ def test_report_averages_seeds_and_pairs_each_gap_with_its_own_baseline(tmp_path
 
 def test_student_t_quantiles_match_published_tables():
     """Two-sided 95 % critical values (t tables; df=1000 approaches the normal 1.96) and one one-sided 95 %."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     from report_convergence import confidence_interval, student_t_quantile
 
     for df, expected in [(1, 12.7062), (2, 4.3027), (3, 3.1824), (7, 2.3646), (30, 2.0423), (1000, 1.9623)]:

@@ -4,7 +4,8 @@ what each rank returns. Used by the tests and the measurement scripts; training 
 Ranks are forked from a fork server that has imported torch, transformers and hf_zeropp once (``PRELOADED_MODULES``):
 a spawned rank re-imports them, several CPU-seconds per rank, which on a 2-core machine cost more than most of the
 distributed tests themselves. A rank still starts as a spawned one would: nothing of the calling process's state
-but its working directory, ``sys.path``, environment and standard output/error, which are passed at each start.
+but its working directory, module search path, environment and standard output/error, which are passed at each
+start.
 """
 
 from __future__ import annotations

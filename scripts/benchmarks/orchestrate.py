@@ -20,9 +20,8 @@ ENTRY = SCRIPTS / "bench_cluster.py"
 
 
 def emulator():
-    """scripts/emulate_cluster.py as a module."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
+    """scripts/emulate_cluster.py as a module (scripts/ is on the module path: the folder of the script that runs, or
+    pytest's ``pythonpath``)."""
     import emulate_cluster
 
     return emulate_cluster
