@@ -37,6 +37,7 @@ class CommMeter:
         # requested techniques this launch cannot apply, and why: shown in every window, never reset
         self.conditions: dict[str, str] = {}
         self.track_errors = False  # quantized comms also measure their own error (costs one extra dequantize)
+        self.resets = 0  # 0: the counts cover everything since the model was sharded
 
     def record(self, kind: str, group: dist.ProcessGroup, bytes_per_peer: int, implementation: str) -> None:
         """``bytes_per_peer`` go from this rank to every other rank of ``group``."""
@@ -86,6 +87,7 @@ class CommMeter:
             result["quantization_error"] = {kind: (err / ref) ** 0.5 if ref > 0 else 0.0
                                             for kind, (err, ref) in self._errors.items()}
         if reset:
+            self.resets += 1
             self._bytes.clear()
             self._errors.clear()
             self._implementations.clear()

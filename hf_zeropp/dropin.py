@@ -14,11 +14,14 @@ script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes the
 - ``TrainingArguments(deepspeed=...)`` takes the DeepSpeed config as the hf_zeropp config instead of importing
   DeepSpeed (:func:`hf_zeropp.trainer.take_deepspeed_config`).
 
-``import hf_zeropp`` installs nothing; :func:`install` does, :func:`uninstall` undoes it.
+Rank 0 says in one line what was installed and the resolved config, and at exit, for each model sharded outside the
+Trainer (whose logs carry them), the bytes it sent intra and inter node. ``import hf_zeropp`` installs nothing;
+:func:`install` does, :func:`uninstall` undoes it.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import json
@@ -34,6 +37,8 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from .accelerate_integration import Accelerator
 from .config import ZeroPPConfig
 from .launch import RESTORE_ENVIRONMENT
+from .runtime import comm_stats
+from .state import sharded_models, zeropp_state
 from .topology import Topology
 from .trainer import ZeroPPTrainerMixin, take_deepspeed_config, with_zeropp_field
 
@@ -139,6 +144,29 @@ def describe(config: ZeroPPConfig, topology: Topology) -> str:
             f"{topology.nodes} node(s) x {topology.node_size} ranks (node size from {topology.node_size_source})")
 
 
+def bytes_at_exit() -> list[str]:
+    """One line per sharded model whose byte counts cover its whole run (nothing reset them; the Trainer resets them
+    every step and puts them in its logs instead): what this rank sent, intra and inter node, per collective."""
+    lines = []
+    for model in sharded_models():
+        if zeropp_state(model).meter.resets:
+            continue
+        stats = comm_stats(model)
+        kinds = [kind for kind in stats if kind not in ("total", "implementations", "quantization_error")]
+        per_kind = ", ".join(f"{kind} {stats[kind]['intra_node'] / 1e6:.3f}/{stats[kind]['inter_node'] / 1e6:.3f}"
+                             for kind in kinds)
+        total = stats["total"]
+        lines.append(f"hf_zeropp launch: {type(model).__name__}: this rank sent {total['intra_node'] / 1e6:.3f} MB "
+                     f"intra-node and {total['inter_node'] / 1e6:.3f} MB inter-node since it was sharded (MB "
+                     f"intra/inter per collective: {per_kind})")
+    return lines
+
+
+def _print_bytes_at_exit() -> None:
+    for line in bytes_at_exit():
+        print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Install, put the user's environment back, then run ``SCRIPT ARGS`` or ``-m MODULE ARGS``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -154,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     install()
     if os.environ.get("RANK", "0") == "0":
         print(describe(config, topology), flush=True)
+        atexit.register(_print_bytes_at_exit)
     if argv[0] == "-m":
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -36,7 +36,7 @@ from .optimizer_hooks import watch_parameters
 from .qgz import make_reduce_scatter
 from .qwz import make_all_gather
 from .reports import report_what_will_not_run_as_asked
-from .state import ZeroPPState, fsdp_modules, zeropp_state
+from .state import ZeroPPState, attach, fsdp_modules, zeropp_state
 from .topology import Topology, get_topology
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,7 +74,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     watch_parameters(model, before)
     state = ZeroPPState(config, topology, meter, units, hpz_enabled=topology.hpz_mesh is not None)
     _install_comms(model, state)
-    model._zeropp = state
+    attach(model, state)
     report_what_will_not_run_as_asked(model, state, has_blocks)
     return model
 

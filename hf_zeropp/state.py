@@ -3,6 +3,7 @@ it and the model's FSDP units."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -27,6 +28,19 @@ class ZeroPPState:
     inference_depth: int = 0  # open gathered_for_inference blocks
 
 
+_sharded_models: weakref.WeakSet = weakref.WeakSet()  # every model shard_model returned that is still alive
+
+
+def attach(model: nn.Module, state: ZeroPPState) -> None:
+    model._zeropp = state
+    _sharded_models.add(model)
+
+
+def sharded_models() -> list[nn.Module]:
+    """The models of this process that :func:`hf_zeropp.shard_model` sharded and that are still alive."""
+    return list(_sharded_models)
+
+
 def zeropp_state(model: nn.Module) -> ZeroPPState:
     state = getattr(model, "_zeropp", None)
     if state is None:
@@ -38,4 +52,4 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-__all__ = ["ZeroPPState", "fsdp_modules", "zeropp_state"]
+__all__ = ["ZeroPPState", "attach", "fsdp_modules", "sharded_models", "zeropp_state"]

@@ -4,7 +4,7 @@
 #   bash scripts/run_mini_convergence.sh [extra train_gpt.py flags, e.g. --max_steps 50]
 # Environment: SEEDS (default "0 1 2"; each seed sets both the initialisation and the data order, identical
 # across recipes), RECIPES (default: the five Table 5 rows; any recipe names under RECIPE_DIR), RECIPE_DIR
-# (default recipes/gpt350m_pile/mini; the other accuracy cases are recipes/llama_python_docs, llama_stdlib,
+# (default recipes/gpt350m_pile/mini; the other accuracy cases are recipes/experiments/llama_python_docs, llama_stdlib,
 # llama_tied and opt_python_docs, each with RECIPES="zero3 zeropp zeropp_accurate"), OUT (default out/gpt_mini).
 # A run whose metrics already hold its final evaluation is kept, so an interrupted sweep resumes where it stopped;
 # delete its folder to redo it.

@@ -10,6 +10,10 @@ import pytest
 from hf_zeropp import PRESETS, ZeroPPConfig
 from hf_zeropp.topology import Topology
 
+# the accuracy study's second cases (recipes/experiments/<case>)
+STUDY_CASES = ("llama_python_docs", "llama_stdlib", "llama_tied", "opt_python_docs", "openai_gpt_python_docs",
+               "gpt2_python_docs")
+
 
 def test_presets_and_dict_round_trip():
     config = ZeroPPConfig.preset("zeropp", node_size=2)
@@ -54,8 +58,7 @@ def test_every_training_recipe_loads_to_a_valid_config_and_its_own_output_folder
     root = Path(__file__).resolve().parent.parent
     from train_gpt import load_recipe
 
-    for folder in ("gpt350m_pile", "gpt350m_pile/mini", "llama_python_docs", "llama_stdlib", "llama_tied",
-                   "opt_python_docs", "openai_gpt_python_docs", "gpt2_python_docs"):
+    for folder in ("gpt350m_pile", "gpt350m_pile/mini", *(f"experiments/{case}" for case in STUDY_CASES)):
         paths = sorted((root / "recipes" / folder).glob("*.yaml"))
         assert len(paths) >= 3, folder
         outputs = {}
@@ -74,14 +77,13 @@ def test_study_recipes_build_their_model_family():
     root = Path(__file__).resolve().parent.parent
     from train_gpt import build_model, load_recipe
 
-    for folder in ("gpt350m_pile/mini", "llama_python_docs", "llama_tied", "opt_python_docs", "openai_gpt_python_docs",
-                   "gpt2_python_docs"):
+    for folder in ("gpt350m_pile/mini", *(f"experiments/{case}" for case in STUDY_CASES if case != "llama_stdlib")):
         recipe = load_recipe(root / "recipes" / folder / "zero3.yaml")
         seq_len = int(recipe["data"]["seq_len"])
         model = build_model(recipe["model"], 256, seq_len)
         assert model.config.model_type == recipe["model"].get("family", "gpt2"), folder
         assert model.config.max_position_embeddings == seq_len
-        assert model.config.tie_word_embeddings == (folder != "llama_python_docs"), folder
+        assert model.config.tie_word_embeddings == (folder != "experiments/llama_python_docs"), folder
         named = ZeroPPConfig.coerce(recipe["training"]["zeropp"]).wrap_modules or model._no_split_modules
         assert any(type(m).__name__ in named for m in model.modules()), f"{folder}: no layer becomes an FSDP unit"
     with pytest.raises(SystemExit, match="model family 'gtp2' is not a transformers model type"):

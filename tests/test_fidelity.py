@@ -230,7 +230,7 @@ def test_the_recipe_decides_the_model_family(tmp_path):
     starts."""
     import fidelity
 
-    recipe = Path(__file__).resolve().parent.parent / "recipes/llama_python_docs/zero3.yaml"
+    recipe = Path(__file__).resolve().parent.parent / "recipes/experiments/llama_python_docs/zero3.yaml"
     with pytest.raises(SystemExit, match="'Hadamard 63' is not a row of the table; choose from 'ZeRO"):
         fidelity.main(["--recipe", str(recipe), "--candidate", "Hadamard 63", "--out", str(tmp_path)])
     assert fidelity.main(["--recipe", str(recipe), "--topologies", "2x2", "--steps", "0", "--window", "1",
@@ -256,7 +256,7 @@ def test_the_quantizer_floor_reads_the_fidelity_report(fidelity_out, fidelity):
     assert best == pytest.approx(rows[quantizer_floor.BEST_ROW]["all"]["relative_error"], abs=5e-5)
 
 
-LLAMA = Path(__file__).resolve().parent.parent / "recipes/llama_python_docs/zero3.yaml"
+LLAMA = Path(__file__).resolve().parent.parent / "recipes/experiments/llama_python_docs/zero3.yaml"
 
 
 def _engine_validation_loss(zeropp: dict, steps: int, workdir: str) -> float:

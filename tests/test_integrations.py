@@ -83,7 +83,7 @@ def test_second_accuracy_case_runs_llama_on_python_docs_with_the_accurate_preset
     ``zeropp-accurate``, whose qgZ sends an 8-bit intra-node hop (4x the bytes of the 4-bit inter-node hop with 2
     ranks per node, vs 2x with a 4-bit first hop) with the hop-1 error of 8 bits (measured after rotating back)."""
     _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_gpt.py",
-             "recipes/llama_python_docs/zeropp_accurate.yaml", "--output_dir", str(tmp_path),
+             "recipes/experiments/llama_python_docs/zeropp_accurate.yaml", "--output_dir", str(tmp_path),
              "--max_steps", "6", "--logging_steps", "2", "--eval_steps", "6"], {"ZEROPP_NODE_SIZE": "2"})
     logs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_logs = [m for m in logs if "loss" in m]

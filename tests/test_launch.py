@@ -116,13 +116,23 @@ def test_accelerate_script_under_the_launcher_equals_the_ported_script_bit_for_b
     assert stats["qgz_inter"]["inter_node"] > 0  # qgZ
 
 
-def test_rank_0_says_once_what_was_installed_and_the_resolved_config(accelerate_runs):
+def test_rank_0_says_what_was_installed_and_at_exit_what_was_sent(accelerate_runs):
+    """One line at start (what was installed, the resolved config, the nodes); at exit one line per model still
+    alive, with the bytes rank 0 sent: qwZ's forward gather and qgZ's inter-node hop cross nodes, hpZ's backward
+    gather does not."""
     lines = [line for line in accelerate_runs["launched"]["output"].splitlines()
              if line.startswith("hf_zeropp launch:")]
-    assert len(lines) == 1, lines
-    assert "accelerate.Accelerator" in lines[0] and "transformers.Trainer" in lines[0]
-    assert "stage 3, qwZ int8, hpZ over 2 ranks, qgZ int4/int4" in lines[0]
-    assert "2 node(s) x 2 ranks (node size from node_size in the hf_zeropp config)" in lines[0]
+    start, at_exit = lines[0], lines[1:]
+    assert "accelerate.Accelerator" in start and "transformers.Trainer" in start
+    assert "stage 3, qwZ int8, hpZ over 2 ranks, qgZ int4/int4" in start
+    assert "2 node(s) x 2 ranks (node size from node_size in the hf_zeropp config)" in start
+    assert 1 <= len(at_exit) <= 3, lines  # the script's three models, those still alive at exit
+    for line in at_exit:
+        assert line.startswith("hf_zeropp launch: GPT2LMHeadModel: this rank sent"), line
+        sent = {kind: tuple(map(float, value.split("/"))) for kind, value in
+                (part.rsplit(" ", 1) for part in line.split("per collective: ")[1].rstrip(")").split(", "))}
+        assert sent["fwd_allgather"][1] > 0 and sent["qgz_inter"][1] > 0
+        assert sent["bwd_allgather"][1] == 0 and sent["bwd_allgather"][0] > 0
 
 
 # ---------------------------------------------------------------- Trainer
