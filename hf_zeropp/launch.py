@@ -21,12 +21,14 @@ is one line on standard error and exit status 2, before any worker starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.machinery
 import importlib.util
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,18 +208,23 @@ def _deepspeed_settings(args: argparse.Namespace, settings: dict[str, Any]) -> A
 def _resolve(value: Any, args: argparse.Namespace, settings: dict[str, Any]) -> ZeroPPConfig:
     """The config every worker will read (``value`` under the ``ZEROPP_*`` variables), checked against the launch's
     world size and ranks per node when those are known here."""
-    try:
-        if isinstance(value, str) and value.lstrip().startswith("{"):
-            value = json.loads(value)
-        base = ZeroPPConfig.coerce(value, argument="zeropp")
+    with _config_errors_refused():
+        base = ZeroPPConfig.coerce(value, argument="zeropp")  # a preset, a file, a dict or JSON text
         config = ZeroPPConfig.from_env({**os.environ, "ZEROPP_CONFIG": json.dumps(base.to_dict())})
         processes = args.num_processes or settings.get("num_processes")
         machines = args.num_machines or settings.get("num_machines") or 1
         if processes and int(processes) > 1:
             Topology.from_config(config, int(processes), local_world_size=max(1, int(processes) // int(machines)))
+    return config
+
+
+@contextlib.contextmanager
+def _config_errors_refused() -> Iterator[None]:
+    """A config error (bad value, missing file) as a :class:`LaunchError`: its message on one line."""
+    try:
+        yield
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise LaunchError(" ".join(str(error).split())) from None
-    return config
 
 
 def _check_script_options(script_args: list[str]) -> None:
@@ -231,10 +238,8 @@ def _check_script_options(script_args: list[str]) -> None:
                 value = script_args[index + 1]
             else:
                 continue
-            try:
+            with _config_errors_refused():
                 ZeroPPConfig.coerce(value, argument=f"the script's {flag}")
-            except (ValueError, TypeError, FileNotFoundError) as error:
-                raise LaunchError(" ".join(str(error).split())) from None
 
 
 def _runs_on_cpu(args: argparse.Namespace, settings: dict[str, Any]) -> bool:
