@@ -17,6 +17,11 @@ script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes the
 Rank 0 says in one line what was installed and the resolved config, and at exit, for each model sharded outside the
 Trainer (whose logs carry them), the bytes it sent intra and inter node. ``import hf_zeropp`` installs nothing;
 :func:`install` does, :func:`uninstall` undoes it.
+
+At exit every worker destroys its process group while the interpreter is still whole: gloo's worker threads can
+otherwise still hold finished work when Python finalizes, and the process aborts (SIGABRT, "terminate called without
+an active exception") after the script has succeeded. Stock scripts that never call ``destroy_process_group`` show
+that abort under ``accelerate launch`` too; under the launcher they exit cleanly.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 
 import accelerate
 import accelerate.accelerator
+import torch.distributed as dist
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from .accelerate_integration import Accelerator
@@ -167,6 +173,11 @@ def _print_bytes_at_exit() -> None:
         print(line, flush=True)
 
 
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Install, put the user's environment back, then run ``SCRIPT ARGS`` or ``-m MODULE ARGS``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -180,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ZeroPPConfig.coerce(None, argument="ZEROPP_CONFIG")
     topology = Topology.from_config(config, int(os.environ.get("WORLD_SIZE", "1")))
     install()
+    atexit.register(_destroy_process_group)  # registered first, so it runs after the script's and the byte line's
     if os.environ.get("RANK", "0") == "0":
         print(describe(config, topology), flush=True)
         atexit.register(_print_bytes_at_exit)

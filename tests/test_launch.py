@@ -38,24 +38,25 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-# With torch 2.13 on gloo, a rank sometimes aborts as its process exits, after the script has finished and written
-# its results: a C++ thread destroyed while joinable. Seen under stock DDP and under hf_zeropp alike (about 1 launch in
-# 5 here), never before the results were written; the results are compared in full, so such an exit is accepted.
+# With torch 2.13 on gloo, a stock script that never destroys its process group sometimes aborts as its process exits,
+# after it has finished and written its results: gloo's worker threads still hold work when Python finalizes (about 1
+# launch in 5 under load). That is stock's own exit, so a stock launch may end that way; the results are compared in
+# full. The launcher's workers destroy their group at exit, so an hf-zeropp launch must end with 0.
 EXIT_ABORT = "terminate called without an active exception"
 
 
-def _succeeded(returncode: int, output: str) -> bool:
-    return returncode == 0 or (EXIT_ABORT in output and "(SIGABRT)" in output)
+def _aborted_at_exit(output: str) -> bool:
+    return EXIT_ABORT in output and ("(SIGABRT)" in output or "exitcode: -6" in output)
 
 
-def _run(command: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> str:
+def _run(command: list[str], env: dict[str, str] | None = None, timeout: int = 300, stock: bool = False) -> str:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     for name in [n for n in full_env if n.startswith("ZEROPP_")]:
         if env is None or name not in env:
             del full_env[name]  # only what a test sets reaches the launch
     result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     output = result.stdout + result.stderr
-    assert _succeeded(result.returncode, output), _first_failure(output)
+    assert result.returncode == 0 or (stock and _aborted_at_exit(output)), _first_failure(output)
     return output
 
 
@@ -72,7 +73,7 @@ def _hf_zeropp_launch(*args: str, env: dict[str, str] | None = None) -> str:
 
 def _stock_launch(*args: str, env: dict[str, str] | None = None) -> str:
     return _run([str(BIN / "accelerate"), "launch", "--config_file", str(STOCK_CPU), "--main_process_port", _port(),
-                 *args], {"ACCELERATE_USE_CPU": "true", **(env or {})})
+                 *args], {"ACCELERATE_USE_CPU": "true", **(env or {})}, stock=True)
 
 
 def _close(actual: list[float], expected: list[float], rel: float) -> bool:
@@ -172,7 +173,7 @@ def _launch_on_two_machines(*args: str) -> None:
                                   "--main_process_ip", "127.0.0.1", *args], cwd=ROOT, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [machine.communicate(timeout=300)[0] for machine in machines]
-    assert all(_succeeded(m.returncode, o) for m, o in zip(machines, outputs)), "\n".join(o[-4000:] for o in outputs)
+    assert all(m.returncode == 0 for m in machines), "\n".join(o[-4000:] for o in outputs)
 
 
 @pytest.fixture(scope="module")
