@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from ._compat import accelerator_models, accelerator_optimizers, accelerator_reg
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroPPConfig
 from .full_state import consolidated_state_dict
+from .hpz import reshard_all
 from .optimizer_hooks import rebind_optimizer
 from .runtime import clip_grad_norm_
 from .runtime import no_sync as zeropp_no_sync
@@ -82,6 +84,7 @@ class Accelerator(accelerate.Accelerator):
                 )
         self.zeropp_config = config
         self._evaluation_models: set[int] = set()  # ids of models sharded by prepare_model(evaluation_mode=True)
+        self._preparable_again = weakref.WeakSet()  # this accelerator's models that a Trainer prepares again
         if config.mixed_precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -101,6 +104,8 @@ class Accelerator(accelerate.Accelerator):
         Optimizers built on a model's parameters before the model was prepared — in the same call or in an earlier
         or later one — are pointed at the shards that replaced them (frozen weights stored INT8 are dropped)."""
         for model in (a for a in args if isinstance(a, nn.Module)):
+            if model in self._preparable_again:
+                continue  # already sharded by this accelerator: returned as it is, as stock Accelerate does
             if is_accelerate_prepared(model) or (
                     is_sharded(model) and id(model) not in self._evaluation_models):
                 raise ValueError(
@@ -113,6 +118,12 @@ class Accelerator(accelerate.Accelerator):
         for optimizer in (a for a in args if isinstance(a, torch.optim.Optimizer)):
             rebind_optimizer(optimizer)
         return super().prepare(*args, device_placement=device_placement)
+
+    def allow_preparing_again(self, model: nn.Module) -> None:
+        """Let a later ``prepare`` of ``model``, which this accelerator sharded, return it as it is instead of
+        refusing it: a Trainer's second ``train()`` (a resume in the same process) prepares its model again."""
+        if model in accelerator_models(self):
+            self._preparable_again.add(model)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
@@ -173,7 +184,10 @@ class Accelerator(accelerate.Accelerator):
     def _without_sharded(self) -> Iterator[list[tuple[int, nn.Module, list[torch.optim.Optimizer]]]]:
         """Hide sharded models and their optimizers from Accelerate's own (rank-0, unsharded) save/load.
 
-        A model's optimizers are looked up now, not at prepare time, so that every prepare order finds them."""
+        A model's optimizers are looked up now, not at prepare time, so that every prepare order finds them. The
+        model is resharded first: after a forward without backward (an evaluation) FSDP2 has swapped gathered
+        tensors in for the parameters of the units it keeps gathered (the root, stage 2's units, hpZ's secondary
+        shards), so ``model.parameters()`` would not be the shards the optimizers hold."""
         models, all_optimizers = accelerator_models(self), accelerator_optimizers(self)
         optimizers = [(wrapped, _unwrap_optimizer(wrapped)) for wrapped in all_optimizers]
         sharded = []
@@ -181,6 +195,7 @@ class Accelerator(accelerate.Accelerator):
         for index, model in enumerate(models):
             if not is_sharded(model):
                 continue
+            reshard_all(model)
             params = {id(p) for p in model.parameters()}
             own = [(w, o) for w, o in optimizers
                    if any(id(p) in params for group in o.param_groups for p in group["params"])]

@@ -54,7 +54,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3},
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True},
     # ZeRO++ with the qgZ options that gave the closest update directions (Adam-normalized gradients) at zeropp's
-    # cross-node bytes among those that did not raise the loss (scripts/fidelity.py; docs/accuracy.md, "Beyond ZeRO++"): a
+    # cross-node bytes among those that did not raise the loss (scripts/experiments/fidelity.py; docs/accuracy.md,
+    # "Beyond ZeRO++"): a
     # 64-element Hadamard rotation of the gradient blocks, an 8-bit intra-node hop, and each rank's own rows added
     # in fp32. Same cross-node bytes as zeropp; qgZ's intra-node hop sends twice as many.
     "zeropp-accurate": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node",

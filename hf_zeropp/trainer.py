@@ -179,6 +179,8 @@ class ZeroPPTrainerMixin(TrainerHooks):
                 raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
                                  "checkpoint; pass a checkpoint path or start without resuming")
             resume_from_checkpoint = str(latest)
+        if is_sharded(self.model):  # train() called again (a resume in a notebook): it prepares the model again
+            self.accelerator.allow_preparing_again(self.model)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -3,7 +3,7 @@
 # minutes on a fresh machine): build the CPU and CUDA kernels, run every CUDA test (bit-identical to the reference
 # on CPU), time the kernels, run the single-GPU end-to-end script, and profile three kernels at 256M elements with
 # Nsight Compute where it is installed. Results land in $OUT (default out/gpu_check): log.txt, tests.txt,
-# kernels_cuda.md/.json, gpu_e2e.md/.json, ncu.txt. scripts/results/gpu_h200.md holds one machine's results.
+# kernels_cuda.md/.json, gpu_e2e.md/.json, ncu.txt. docs/results/2026-11-26-gpu-h200.md holds one machine's results.
 #
 #   bash scripts/gpu_check.sh                 # from the repository root, with the python that holds CUDA torch
 #   PYTHON=.venv/bin/python OUT=/tmp/x bash scripts/gpu_check.sh
@@ -36,10 +36,10 @@ timeout 300 $PYTHON -m pytest -q -p no:cacheprovider -n 8 -k cuda \
     tests/test_kernels.py tests/test_hadamard.py tests/test_kernel_fuzz.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 
 step "kernel bandwidth"
-timeout 240 $PYTHON scripts/bench_kernels.py --device cuda --sizes 1M,16M,256M --reps 5 --out "$OUT"
+timeout 240 $PYTHON -m scripts.benchmarks.kernels --device cuda --sizes 1M,16M,256M --reps 5 --out "$OUT"
 
 step "single-GPU end to end"
-timeout 240 $PYTHON scripts/gpu_e2e.py --out "$OUT" --rounds 6
+timeout 240 $PYTHON -m scripts.benchmarks.gpu_e2e --out "$OUT" --rounds 6
 
 step "Nsight Compute: quantize int8, dequantize int8, swizzle_quantize int4 + Hadamard 64 at 256M bf16 elements"
 if command -v ncu >/dev/null; then

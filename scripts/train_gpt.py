@@ -9,7 +9,7 @@ folder) starts from that recipe and replaces the keys it gives in each section, 
 differs. Any TrainingArguments
 flag on the command line (``--zeropp zero3``, ``--max_steps 10``, ``--output_dir ...``) overrides the recipe.
 Validation loss is evaluated on a held-out split every ``eval_steps``; every log and evaluation is appended as one
-JSON line to ``<output_dir>/metrics.jsonl``, which ``scripts/report_convergence.py`` reads.
+JSON line to ``<output_dir>/metrics.jsonl``, which ``scripts/experiments/report_convergence.py`` reads.
 
 Data sources: ``stdlib`` — the Python standard library's source, or ``python_docs`` — English prose shipped with
 Python (``hf_zeropp.testing.corpus``), both byte-level tokens, offline and identical on every machine; or any

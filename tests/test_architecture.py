@@ -1,6 +1,7 @@
 """The package's imports run one way: from the leaves (kernels, node-size detection, the private-API shim) through
 config, topology, the meter, the techniques and sharding to checkpoints and the integrations — no module imports one
-above its layer, so there is no import cycle (top-level, function-local and type-checking imports all count)."""
+above its layer, so there is no import cycle (top-level, function-local and type-checking imports all count). Around
+the package, the benchmarks and experiments import hf_zeropp, never the reverse, and nothing imports the tests."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 import hf_zeropp
 
 PACKAGE = Path(hf_zeropp.__file__).resolve().parent
+ROOT = PACKAGE.parent
 
 LAYERS = [
     {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
      "deepspeed_config", "field_types", "_compat", "testing", "testing.corpus", "testing.spawn", "testing.tiny_models",
-     "testing.payloads"},
+     "testing.payloads", "testing.emulated_cluster"},
     {"config"},
     {"topology"},
     {"comm_meter", "hpz", "materialize", "qgz_payload"},
@@ -82,3 +84,29 @@ def test_imports_only_go_to_the_same_or_a_lower_layer_and_never_in_a_cycle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The first component of every absolute import in ``path`` (relative imports stay inside their package)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_benchmarks_and_experiments_import_the_package_never_the_reverse_and_nothing_imports_the_tests():
+    package_imports = set().union(*(_top_level_imports(p) for p in PACKAGE.rglob("*.py")))
+    assert not package_imports & {"scripts", "tests", "benchmarks", "experiments"}, "hf_zeropp imports from outside"
+    outside = [*(ROOT / "scripts").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
+    importing_tests = [str(p.relative_to(ROOT)) for p in outside if "tests" in _top_level_imports(p)]
+    assert not importing_tests, f"modules that import the tests: {importing_tests}"
+    studies = [p for folder in ("benchmarks", "experiments") for p in (ROOT / "scripts" / folder).rglob("*.py")]
+    assert len(studies) >= 10
+    assert any("hf_zeropp" in _top_level_imports(p) for p in studies)
+    # the scripts are imported by their package names only (python -m scripts.benchmarks.cluster from the checkout)
+    bare = {"benchmarks", "experiments", "train_gpt", "emulate_cluster", "fidelity", "comm_table"}
+    by_bare_name = [str(p.relative_to(ROOT)) for p in outside if _top_level_imports(p) & bare]
+    assert not by_bare_name, f"imports that rely on scripts/ being on the module path: {by_bare_name}"

@@ -1,11 +1,12 @@
-"""scripts/comm_table.py's qgZ-option measurement on 2 emulated nodes x 2: what each option keeps between steps and
+"""scripts/benchmarks/comm_table.py's qgZ-option measurement on 2 emulated nodes x 2: what each option keeps between
+steps and
 sends, read from the engine's own state and meters (a change in either must not break the benchmark silently)."""
 
 from __future__ import annotations
 
 
 def test_qgz_option_rows_report_residual_memory_and_equal_cross_node_bytes():
-    import comm_table
+    from scripts.benchmarks import comm_table
 
     from hf_zeropp.testing.spawn import run_distributed
 

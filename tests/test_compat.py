@@ -1,4 +1,4 @@
-"""hf_zeropp._compat against the installed torch / transformers / accelerate / TRL (issue M, item 4).
+"""hf_zeropp._compat against the installed torch / transformers / accelerate / TRL: the private APIs it relies on.
 
 Every entry of ``_compat`` is exercised here, each inside ``entry(name)``: when an upstream rename or behaviour
 change breaks one, the failure names the entry and the upstream symbol it reaches into (``_compat.UPSTREAM``).
@@ -55,7 +55,7 @@ def test_every_entry_is_exercised_here():
 
 def test_fsdp_param_groups_reads_the_single_group_state_of_torch_2_11():
     """torch 2.11's FSDPState holds one optional ``_fsdp_param_group`` instead of the list ``_fsdp_param_groups``
-    (seen on the GPU machine, which has torch 2.11: scripts/results/gpu_h200.md)."""
+    (seen on the GPU machine, which has torch 2.11: docs/results/2026-11-26-gpu-h200.md)."""
 
     class Unit(nn.Module):
         def __init__(self, group):

@@ -56,9 +56,10 @@ def test_every_training_recipe_loads_to_a_valid_config_and_its_own_output_folder
     would overwrite that run)."""
 
     root = Path(__file__).resolve().parent.parent
-    from train_gpt import load_recipe
+    from scripts.train_gpt import load_recipe
 
-    for folder in ("gpt350m_pile", "gpt350m_pile/mini", *(f"experiments/{case}" for case in STUDY_CASES)):
+    for folder in ("gpt350m_pile", "gpt350m_pile/mini", "experiments/gpt350m_mini",
+                   *(f"experiments/{case}" for case in STUDY_CASES)):
         paths = sorted((root / "recipes" / folder).glob("*.yaml"))
         assert len(paths) >= 3, folder
         outputs = {}
@@ -75,7 +76,7 @@ def test_study_recipes_build_their_model_family():
     family stops with its name."""
 
     root = Path(__file__).resolve().parent.parent
-    from train_gpt import build_model, load_recipe
+    from scripts.train_gpt import build_model, load_recipe
 
     for folder in ("gpt350m_pile/mini", *(f"experiments/{case}" for case in STUDY_CASES if case != "llama_stdlib")):
         recipe = load_recipe(root / "recipes" / folder / "zero3.yaml")

@@ -1,6 +1,6 @@
 """The README and docs/ as a manual that works: every relative link resolves, every file of this repository a
-page names exists, and every ``--flag`` a shown command gives to one of this repository's scripts is one the
-script defines."""
+page names exists, and every ``--flag`` a shown command gives to one of this repository's scripts (``scripts/X.py``
+or ``python -m scripts.X`` / ``-m hf_zeropp.X``) is one the script defines."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import pytest
 from transformers import TrainingArguments
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 REPO_PATH = re.compile(r"(?<![\w/.$-])((?:scripts|recipes|tests|hf_zeropp|cuda|docs)/[\w./*{},<>-]*[\w*}>])")
-SCRIPT_CALL = re.compile(r"(scripts/[\w/-]+\.py)((?:\s+(?:--?[\w-]+(?:=\S+)?|[^\s|;&>`\\-][^\s|;&>`]*))*)")
+ARGUMENTS = r"((?:\s+(?:--?[\w-]+(?:=\S+)?|[^\s|;&>`\\-][^\s|;&>`]*))*)"
+SCRIPT_CALL = re.compile(r"(scripts/[\w/-]+\.py)" + ARGUMENTS)
+MODULE_CALL = re.compile(r"-m ((?:scripts|hf_zeropp)(?:\.\w+)+)" + ARGUMENTS)
 CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
 
 
@@ -53,7 +55,7 @@ def test_named_repository_files_exist(page):
 def _source(script: Path) -> str:
     """The script's source and that of the modules it imports from its own folder (its argument helpers)."""
     source = script.read_text()
-    for name in set(re.findall(r"^(?:from|import) (\w+)", source, re.M)):
+    for name in set(re.findall(r"^(?:from \.?|import )(\w+)", source, re.M)):
         local = script.parent / name
         for path in [local.with_suffix(".py"), *sorted(local.glob("*.py"))]:
             if path.is_file():
@@ -79,10 +81,17 @@ def test_shown_commands_use_flags_their_scripts_define(page):
     wrong = []
     for snippet in CODE.findall(page.read_text()):
         for line in snippet.replace("\\\n", " ").splitlines():
-            for script, rest in SCRIPT_CALL.findall(line.split(" #")[0]):  # not a shell comment's words
-                path = ROOT / script
+            command = line.split(" #")[0]  # not a shell comment's words
+            calls = [(ROOT / script, script, rest) for script, rest in SCRIPT_CALL.findall(command)]
+            calls += [(ROOT / (module.replace(".", "/") + ".py"), module, rest)
+                      for module, rest in MODULE_CALL.findall(command)]
+            for path, script, rest in calls:
+                if not path.is_file() and (path.with_suffix("") / "__main__.py").is_file():
+                    path = path.with_suffix("") / "__main__.py"
                 if not path.is_file():
-                    continue  # test_named_repository_files_exist reports it
+                    if "/" not in script:
+                        wrong.append(f"-m {script}: no such module")
+                    continue  # a missing path: test_named_repository_files_exist reports it
                 defined = _defined_flags(path)
                 for flag in re.findall(r"(?:^|\s)--([\w-]+)", rest):
                     if flag.replace("-", "_") not in defined:

@@ -1,4 +1,5 @@
-"""scripts/fidelity.py end to end on 2 emulated nodes x 2 (the mini Table 5 model, four steps of its baseline).
+"""scripts/experiments/fidelity.py end to end on 2 emulated nodes x 2 (the mini Table 5 model, four steps of its
+baseline).
 
 What must hold whatever the gradients are: the 1-D parameters sent in full precision arrive exactly (error 0,
 cosine 1), while quantized with the matrices they lose precision or cost the matrices theirs; the 8-bit intra-node
@@ -19,7 +20,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 @pytest.fixture(scope="module")
 def fidelity_out(tmp_path_factory) -> Path:
-    import fidelity
+    from scripts.experiments import fidelity
 
     out = tmp_path_factory.mktemp("fidelity")
     assert fidelity.main(["--topologies", "2x2", "--steps", "1,3", "--window", "2", "--out", str(out)]) == 0
@@ -75,7 +76,7 @@ def test_errors_summed_over_the_first_steps_of_each_window(fidelity_out, fidelit
     """The horizon table: after one step of a window error feedback has carried nothing yet (its residual is reset
     at the window's start), so its error equals plain rounding's; after two it carries the first step's error
     into the second, and its summed error falls below plain's. The last horizon is the window sum."""
-    import fidelity as script
+    from scripts.experiments import fidelity as script
 
     assert script.horizons(1) == [1] and script.horizons(8) == [1, 2, 4, 8] and script.horizons(12) == [1, 2, 4, 8, 12]
     rows = _rows(fidelity, "gradients")
@@ -120,7 +121,7 @@ def test_adam_normalizer_is_the_step_adam_takes():
     divided it, g' / (sqrt(v_hat) + eps) with Adam's own v; a gradient zero so far is bounded, not 1 / eps."""
     import torch
 
-    import fidelity
+    from scripts.experiments import fidelity
 
     param = torch.nn.Parameter(torch.zeros(2, 3))
     optimizer = torch.optim.AdamW([param], lr=0.1, betas=(0.8, 0.9), eps=1e-3)
@@ -155,7 +156,7 @@ def test_deliveries_follow_what_the_driving_option_sent():
     one sent 3x too large is over-delivered; the error column keeps the given error where the energy is < 0.5."""
     import torch
 
-    import fidelity
+    from scripts.experiments import fidelity
 
     deliveries = fidelity.Deliveries()
     steps = [([1.0, 0.0, 2.0, 3.0], [1.0, 0.0, 0.0, 3.0]), ([1.0, 1.0, 2.0, 3.0], [0.0, 1.0, 0.0, 9.0])]
@@ -179,7 +180,7 @@ def test_width_rule_quantizer_is_the_allocation_format(fidelity_out):
     hf_zeropp's per-block-width round trip exactly."""
     import torch
 
-    import fidelity
+    from scripts.experiments import fidelity
     from hf_zeropp.kernels import dequantize_allocated, quantize_allocated
     from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 
@@ -199,7 +200,7 @@ def test_width_rules(fidelity):
     """The L2 rule, which is gradient_bit_allocation's, is the least-L2 one; held to the fixed width it still gains
     (the 1-D slices and unused embedding rows are all-zero blocks whose bits it moves), held to 2 bits it keeps most
     of the gain; every rule is measured both ways."""
-    from fidelity import WIDTH_RULES
+    from scripts.experiments.fidelity import WIDTH_RULES
 
     rules = {row["name"]: row for row in fidelity["width_rules"]}
     fixed, least_l2, floored, floor_two = (rules[WIDTH_RULES[i]]["all"]["relative_error"] for i in range(4))
@@ -228,7 +229,7 @@ def test_the_recipe_decides_the_model_family(tmp_path):
     """The second accuracy case's Llama recipe is measured on a Llama, not on a GPT-2 built from its keywords;
     --candidate measures the named rows only, after ZeRO++'s own row; an unknown name stops before any process
     starts."""
-    import fidelity
+    from scripts.experiments import fidelity
 
     recipe = Path(__file__).resolve().parent.parent / "recipes/experiments/llama_python_docs/zero3.yaml"
     with pytest.raises(SystemExit, match="'Hadamard 63' is not a row of the table; choose from 'ZeRO"):
@@ -246,8 +247,9 @@ def test_the_recipe_decides_the_model_family(tmp_path):
 
 
 def test_the_quantizer_floor_reads_the_fidelity_report(fidelity_out, fidelity):
-    """scripts/quantizer_floor.py compares its floors with the numbers fidelity.py wrote, not with other rows."""
-    import quantizer_floor
+    """scripts/experiments/quantizer_floor.py compares its floors with the numbers fidelity.py wrote, not with other
+    rows."""
+    from scripts.experiments import quantizer_floor
 
     rows = _rows(fidelity, "gradients")
     [(heading, plain, best)] = quantizer_floor.measured_errors(fidelity_out / "results.md")
@@ -263,7 +265,7 @@ def _engine_validation_loss(zeropp: dict, steps: int, workdir: str) -> float:
     """The Llama recipe trained ``steps`` steps by the engine with ``zeropp``, set up as fidelity's runs are."""
     from transformers import TrainerCallback
 
-    import fidelity
+    from scripts.experiments import fidelity
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -277,7 +279,7 @@ def _engine_validation_loss(zeropp: dict, steps: int, workdir: str) -> float:
 def test_a_driven_run_is_the_engines_own_qgz_training(tmp_path):
     """--drive trains on a candidate's results: two steps driven by Hadamard 64 + 8-bit intra give the validation
     loss of the engine's own qgZ-only training with those options (forward weights exact), not the baseline's."""
-    import fidelity
+    from scripts.experiments import fidelity
 
     from hf_zeropp.testing.spawn import run_distributed
 

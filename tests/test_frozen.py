@@ -162,7 +162,8 @@ def test_no_frozen_weights_warns_and_changes_nothing():
 
 
 def test_single_gpu_end_to_end_script_equals_stock_on_cpu(tmp_path):
-    """scripts/gpu_e2e.py (the GPU check of frozen INT8 LoRA at world size 1) in its CPU dry run: the sharded model's
+    """scripts/benchmarks/gpu_e2e.py (the GPU check of frozen INT8 LoRA at world size 1) in its CPU dry run: the
+    sharded model's
     logits, greedy tokens and losses equal a stock model holding the same INT8 values, on the compiled kernels and
     on the reference ones."""
     import json
@@ -170,10 +171,10 @@ def test_single_gpu_end_to_end_script_equals_stock_on_cpu(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_e2e.py"
-    subprocess.run([sys.executable, str(script), "--device", "cpu", "--hidden", "64", "--layers", "2", "--batch", "2",
-                    "--seq", "32", "--new-tokens", "6", "--train-steps", "3", "--warmup", "0", "--rounds", "1",
-                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "scripts.benchmarks.gpu_e2e", "--device", "cpu", "--hidden", "64", "--layers",
+                    "2", "--batch", "2", "--seq", "32", "--new-tokens", "6", "--train-steps", "3", "--warmup", "0", "--rounds", "1",
+                    "--out", str(tmp_path)], cwd=root, check=True, capture_output=True, timeout=300)
     report = json.loads((tmp_path / "gpu_e2e.json").read_text())
     checks = report["correctness"]
     compiled = report["compiled_backend"]

@@ -1,4 +1,4 @@
-"""scripts/quantizer_floor.py against closed forms and published values of Gaussian quantization theory."""
+"""scripts/experiments/quantizer_floor.py against closed forms and published values of Gaussian quantization theory."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-import quantizer_floor
+from scripts.experiments import quantizer_floor
 
 
 def test_lloyd_max_matches_the_closed_form_and_max_1960():

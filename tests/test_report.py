@@ -1,4 +1,4 @@
-"""scripts/report_convergence.py on recorded metrics."""
+"""scripts/experiments/report_convergence.py on recorded metrics."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def _write_run(folder: Path, recipe: str, losses: list[float], seed: int | None 
 
 
 def _report(folder: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "report_convergence.py"), str(folder), *extra],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "scripts.experiments.report_convergence", str(folder), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_report_table_and_plot(tmp_path):
@@ -65,7 +65,7 @@ def test_report_averages_seeds_and_pairs_each_gap_with_its_own_baseline(tmp_path
 
 def test_student_t_quantiles_match_published_tables():
     """Two-sided 95 % critical values (t tables; df=1000 approaches the normal 1.96) and one one-sided 95 %."""
-    from report_convergence import confidence_interval, student_t_quantile
+    from scripts.experiments.report_convergence import confidence_interval, student_t_quantile
 
     for df, expected in [(1, 12.7062), (2, 4.3027), (3, 3.1824), (7, 2.3646), (30, 2.0423), (1000, 1.9623)]:
         assert abs(student_t_quantile(0.975, df) - expected) < 1e-4, df

@@ -1,5 +1,6 @@
-"""The driver side: one emulated cluster per link rate (scripts/emulate_cluster.py: network namespaces, veth links
-shaped with tc, one torchrun per emulated node), each running ``bench_cluster.py --worker`` on every rank.
+"""The driver side: one emulated cluster per link rate (:mod:`hf_zeropp.testing.emulated_cluster`: network namespaces,
+veth links shaped with tc, one torchrun per emulated node), each running ``-m scripts.benchmarks.cluster --worker`` on
+every rank.
 
 Needs root, ``ip`` and ``tc`` (:func:`requirements_problem` says what is missing). Each link's raw per-rank results
 land in ``<out>/raw_<link>.json`` and the emulator's own counters in ``<out>/counters_<link>.json``.
@@ -14,17 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent.parent
-ROOT = SCRIPTS.parent
-ENTRY = SCRIPTS / "bench_cluster.py"
+from hf_zeropp.testing import emulated_cluster
 
-
-def emulator():
-    """scripts/emulate_cluster.py as a module (scripts/ is on the module path: the folder of the script that runs, or
-    pytest's ``pythonpath``)."""
-    import emulate_cluster
-
-    return emulate_cluster
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_cli(parser: argparse.ArgumentParser, configs: dict) -> argparse.Namespace:
@@ -56,16 +49,17 @@ def output_folder(args: argparse.Namespace, program: str) -> Path | None:
 
 def requirements_problem() -> str | None:
     """Why the emulated cluster cannot run here (root, ip, tc), or None."""
-    return emulator().requirements_problem()
+    return emulated_cluster.requirements_problem()
 
 
-def run_emulated(entry: Path, worker_args: list[str], link: str, raw: Path, counters: Path, *, nodes: int,
+def run_emulated(module: str, worker_args: list[str], link: str, raw: Path, counters: Path, *, nodes: int,
                  nproc_per_node: int, threads: int, timeout: float) -> dict:
-    """``entry`` with ``worker_args`` on every rank of one emulated cluster at ``link``; the worker's results (it
+    """``python -m module`` (run from the checkout) with ``worker_args`` on every rank of one emulated cluster at
+    ``link``; the worker's results (it
     writes ``raw``) plus the emulator's counters and the machine's load average before/after."""
     raw.unlink(missing_ok=True)
-    cmd = [sys.executable, str(SCRIPTS / "emulate_cluster.py"), "--nodes", str(nodes), "--nproc-per-node",
-           str(nproc_per_node), "--link", link, "--counters-json", str(counters), "--", str(entry), *worker_args]
+    cmd = [sys.executable, "-m", emulated_cluster.__name__, "--nodes", str(nodes), "--nproc-per-node",
+           str(nproc_per_node), "--link", link, "--counters-json", str(counters), "--", "-m", module, *worker_args]
     print(f"== link {link}: {' '.join(cmd)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     load_before = os.getloadavg()
@@ -93,8 +87,9 @@ def run_link(link: str, args, out: Path, probe_mb: float) -> dict:
                    "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
                    "--batch-per-rank", str(args.batch_per_rank), "--precision", args.precision,
                    "--breakdown-steps", str(args.breakdown_steps)]
-    return run_emulated(ENTRY, worker_args, link, raw, out / f"counters_{link}.json", nodes=args.nodes,
-                        nproc_per_node=args.nproc_per_node, threads=args.threads, timeout=args.timeout)
+    return run_emulated("scripts.benchmarks.cluster", worker_args, link, raw, out / f"counters_{link}.json",
+                        nodes=args.nodes, nproc_per_node=args.nproc_per_node, threads=args.threads,
+                        timeout=args.timeout)
 
 
 def run_links(args, out: Path) -> dict[str, dict]:

@@ -1,4 +1,4 @@
-"""The per-rank worker: runs on every rank under torchrun inside the emulated cluster (``bench_cluster.py --worker``).
+"""The per-rank worker, on every rank under torchrun inside the emulated cluster (``-m scripts.benchmarks.cluster --worker``).
 
 Builds every configuration side by side (same GPT-2 from config, same seed), then: a gloo probe of each collective
 alone between veth counter reads (``--probe-mb``), ``--warmup`` steps each, ``--rounds`` rounds of ``--steps``

@@ -1,0 +1,174 @@
+"""Kernel throughput: every op's effective bandwidth beside a plain copy of the same bytes and beside the reference.
+
+    python -m scripts.benchmarks.kernels [--device cpu|cuda] [--sizes 1M,4M,16M,64M] [--dtype bf16] [--out bench/]
+
+Effective bandwidth = (bytes read + bytes written) / median time. "copy" is ``dst.copy_(src)`` of a buffer the
+size of the op's input on the same device — the physical limit a memory-bound kernel can approach. Dequantize
+writes into a preallocated ``out`` (as qwZ writes into FSDP's all-gather buffer). Ratios are
+measured side by side in one run; the script prints the issue's targets and whether each was met:
+CPU ``cpp`` >= 5x the reference for INT8/INT4 quantize and dequantize at 16M elements; GPU >= 85 % of copy
+bandwidth at >= 16M elements and >= 5x the reference; ``swizzle_quantize`` within 10 % of plain ``quantize``.
+It also prints the cost of qgZ's Hadamard rotation (docs/accuracy.md, "Beyond ZeRO++"): the two ops that rotate, with ``hadamard=64``,
+timed against the same ops without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+import hf_zeropp.kernels as K
+
+from .timing import synchronized_seconds
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BLOCK = 256
+HADAMARD = 64
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def _time(fn, device: torch.device, reps: int) -> float:
+    fn()  # warm-up (and first-use build)
+    return statistics.median(synchronized_seconds(fn, device) for _ in range(reps))
+
+
+def _ops(n: int, dtype: torch.dtype, device: torch.device):
+    """(name, callable(backend), bytes moved) for every op at ``n`` input elements."""
+    x = torch.randn(n, device=device).to(dtype).view(-1, 1 << 16) if n % (1 << 16) == 0 else \
+        torch.randn(1, n, device=device).to(dtype)
+    elem = x.element_size()
+    nb = K.num_blocks(x.shape[-1], BLOCK) * x.shape[0]
+    q8 = K.quantize(x, 8, BLOCK, backend="reference")
+    q4 = K.quantize(x, 4, BLOCK, backend="reference")
+    # dequantization writes into a preallocated buffer, as qwZ does into the all-gather output: a fresh 64 MB
+    # tensor per call would time the OS faulting its pages in, not the kernel
+    out = torch.empty_like(x)
+    k = 4  # qgZ's reductions: k = ranks per node (hop 1) or nodes (hop 2); n elements in all
+    per_input = n // k
+    stacked4 = K.quantize(torch.randn(k, 1, per_input, device=device), 4, BLOCK, backend="reference")
+    stacked_bytes = k * (per_input // 2 + 4 * K.num_blocks(per_input, BLOCK))
+    ops = [
+        ("quantize int8", lambda b: K.quantize(x, 8, BLOCK, backend=b), n * elem + n + 4 * nb),
+        ("quantize int4", lambda b: K.quantize(x, 4, BLOCK, backend=b), n * elem + n // 2 + 4 * nb),
+        ("dequantize int8", lambda b: K.dequantize(*q8, bits=8, block_size=BLOCK, dtype=dtype, out=out, backend=b),
+         n + 4 * nb + n * elem),
+        ("dequantize int4", lambda b: K.dequantize(*q4, bits=4, block_size=BLOCK, dtype=dtype, out=out, backend=b),
+         n // 2 + 4 * nb + n * elem),
+        ("swizzle_quantize int4 (2x4, 2 stages)",
+         lambda b: K.swizzle_quantize(x.reshape(-1), 2, 4, 2, 4, BLOCK, backend=b), n * elem + n // 2 + 4 * nb),
+        (f"dequant_reduce_quant int4 (k={k})",
+         lambda b: K.dequant_reduce_quant(*stacked4, in_bits=4, out_bits=4, block_size=BLOCK, length=per_input,
+                                          backend=b),
+         stacked_bytes + stacked_bytes // k),
+        (f"dequant_reduce int4 (k={k})",
+         lambda b: K.dequant_reduce(*stacked4, bits=4, block_size=BLOCK, length=per_input, scale=0.25, backend=b),
+         stacked_bytes + 4 * per_input),
+        (f"swizzle_quantize int4 (2x4, 2 stages) + Hadamard {HADAMARD}",
+         lambda b: K.swizzle_quantize(x.reshape(-1), 2, 4, 2, 4, BLOCK, hadamard=HADAMARD, backend=b),
+         n * elem + n // 2 + 4 * nb),
+        (f"dequant_reduce int4 (k={k}) + Hadamard {HADAMARD}",
+         lambda b: K.dequant_reduce(*stacked4, bits=4, block_size=BLOCK, length=per_input, scale=0.25,
+                                    hadamard=HADAMARD, backend=b),
+         stacked_bytes + 4 * per_input),
+    ]
+    return x, ops
+
+
+def run(device: torch.device, sizes: list[int], dtype_name: str, reps: int) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    compiled = K.active_backend(device)
+    rows = []
+    for n in sizes:
+        x, ops = _ops(n, dtype, device)
+        src = torch.empty(n * x.element_size(), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy_time = _time(lambda: dst.copy_(src), device, reps)
+        copy_bw = 2 * src.numel() / copy_time
+        for name, fn, moved in ops:
+            row = {"device": device.type, "dtype": dtype_name, "elements": n, "op": name, "bytes": moved,
+                   "copy_GBps": copy_bw / 1e9}
+            for backend in dict.fromkeys([compiled, "reference"]):
+                seconds = _time(lambda: fn(backend), device, reps)
+                row[f"{backend}_ms"] = seconds * 1e3
+                row[f"{backend}_GBps"] = moved / seconds / 1e9
+            row["compiled_backend"] = compiled
+            row["fraction_of_copy"] = row[f"{compiled}_GBps"] / row["copy_GBps"]
+            row["speedup_vs_reference"] = row["reference_ms"] / row[f"{compiled}_ms"]
+            rows.append(row)
+            print(f"{n:>11,d} {name:<38} {compiled}: {row[f'{compiled}_ms']:9.3f} ms "
+                  f"{row[f'{compiled}_GBps']:7.2f} GB/s ({row['fraction_of_copy']:.0%} of copy)  "
+                  f"reference: {row['reference_ms']:9.3f} ms  x{row['speedup_vs_reference']:.1f}", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    compiled = rows[0]["compiled_backend"]
+    lines = [f"| elements | op | {compiled} ms | {compiled} GB/s | copy GB/s | % of copy | reference ms | speed-up |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['elements']:,} | {r['op']} | {r[f'{compiled}_ms']:.3f} | {r[f'{compiled}_GBps']:.2f} | "
+                     f"{r['copy_GBps']:.2f} | {r['fraction_of_copy']:.0%} | {r['reference_ms']:.3f} | "
+                     f"{r['speedup_vs_reference']:.1f}x |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[str]:
+    verdicts = []
+    big = [r for r in rows if r["elements"] >= 16 * (1 << 20)]
+    at16 = [r for r in rows if r["elements"] == 16 * (1 << 20)] or big[:0]
+    for r in at16:
+        if r["op"].startswith(("quantize", "dequantize")):
+            ok = r["speedup_vs_reference"] >= 5
+            verdicts.append(f"{'met ' if ok else 'MISSED'} {r['op']} @16M: {r['speedup_vs_reference']:.1f}x reference "
+                            f"(target >= 5x)")
+    if rows and rows[0]["device"] == "cuda":
+        for r in big:
+            ok = r["fraction_of_copy"] >= 0.85
+            verdicts.append(f"{'met ' if ok else 'MISSED'} {r['op']} @{r['elements']:,}: "
+                            f"{r['fraction_of_copy']:.0%} of copy (target >= 85 %)")
+    for n in sorted({r["elements"] for r in rows}):
+        plain = next(r for r in rows if r["elements"] == n and r["op"] == "quantize int4")
+        swz = next(r for r in rows if r["elements"] == n and r["op"] == "swizzle_quantize int4 (2x4, 2 stages)")
+        compiled = plain["compiled_backend"]
+        ratio = swz[f"{compiled}_ms"] / plain[f"{compiled}_ms"]
+        verdicts.append(f"{'met ' if ratio <= 1.10 else 'MISSED'} swizzle_quantize / quantize int4 @{n:,}: "
+                        f"{ratio:.2f} (target <= 1.10)")
+        for rotated in (r for r in rows if r["elements"] == n and "Hadamard" in r["op"]):
+            base = next(r for r in rows if r["elements"] == n and r["op"] == rotated["op"].split(" + ")[0])
+            verdicts.append(f"cost of the rotation: {rotated['op']} @{n:,}: "
+                            f"{rotated[f'{compiled}_ms'] / base[f'{compiled}_ms']:.2f}x the time without it")
+    return verdicts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", default=None, help="comma-separated, e.g. 1M,16M (default: 1M..64M on CPU, "
+                                                      "1M..256M on GPU)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="bench", help="folder for kernels.json and kernels.md")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    default = "1M,4M,16M,64M" if device.type == "cpu" else "1M,4M,16M,64M,256M"
+    sizes = [_parse_size(s) for s in (args.sizes or default).split(",")]
+    rows = run(device, sizes, args.dtype, args.reps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"kernels_{device.type}.json").write_text(json.dumps(rows, indent=2))
+    report = markdown(rows) + "\n\n" + "\n".join(f"- {v}" for v in targets(rows)) + "\n"
+    (out / f"kernels_{device.type}.md").write_text(report)
+    print("\n" + report)
+
+
+if __name__ == "__main__":
+    main()
