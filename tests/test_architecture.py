@@ -16,7 +16,7 @@ ROOT = PACKAGE.parent
 LAYERS = [
     {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
      "deepspeed_config", "field_types", "_compat", "testing", "testing.corpus", "testing.spawn", "testing.tiny_models",
-     "testing.payloads", "testing.emulated_cluster"},
+     "testing.payloads", "testing.emulated_network", "testing.emulated_cluster"},
     {"config"},
     {"topology"},
     {"comm_meter", "hpz", "materialize", "qgz_payload"},

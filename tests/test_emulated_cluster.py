@@ -1,4 +1,4 @@
-"""Smoke tests of the emulated multi-node cluster (hf_zeropp/testing/emulated_cluster.py).
+"""Smoke tests of the emulated multi-node cluster (hf_zeropp/testing/emulated_cluster.py and emulated_network.py).
 
 The cluster tests need root, iproute2's ``ip`` and ``tc``, and a kernel that lets this process create network
 namespaces; elsewhere they are skipped with the reason. The argument and requirement checks run everywhere.
@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from hf_zeropp.testing import emulated_cluster
+from hf_zeropp.testing import emulated_cluster, emulated_network
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_PROBLEM = emulated_cluster.namespaces_problem()
+_PROBLEM = emulated_network.namespaces_problem()
 needs_cluster = pytest.mark.skipif(_PROBLEM is not None, reason=f"emulated cluster unavailable: {_PROBLEM}")
 
 
 def _namespaces_of(pid: int) -> list[str]:
-    out = subprocess.run([emulated_cluster.find_tool("ip") or "ip", "netns", "list"], capture_output=True,
+    out = subprocess.run([emulated_network.find_tool("ip") or "ip", "netns", "list"], capture_output=True,
                          text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(f"zpp-{pid}-")]
 
@@ -46,13 +46,13 @@ def _first_failure(output: str) -> str:
 # ---- everywhere ------------------------------------------------------------------------------------------------
 
 def test_rates_and_delays_parse():
-    assert emulated_cluster.parse_rate("100mbit") == 100_000_000
-    assert emulated_cluster.parse_rate("1gbit") == 1_000_000_000
-    assert emulated_cluster.parse_rate("none") is None
-    assert emulated_cluster.parse_delay("1ms") == pytest.approx(1e-3)
-    assert emulated_cluster.parse_delay("none") is None
+    assert emulated_network.parse_rate("100mbit") == 100_000_000
+    assert emulated_network.parse_rate("1gbit") == 1_000_000_000
+    assert emulated_network.parse_rate("none") is None
+    assert emulated_network.parse_delay("1ms") == pytest.approx(1e-3)
+    assert emulated_network.parse_delay("none") is None
     with pytest.raises(Exception, match="link rate"):
-        emulated_cluster.parse_rate("fast")
+        emulated_network.parse_rate("fast")
 
 
 def test_refuses_without_root(monkeypatch, capsys):
@@ -63,7 +63,7 @@ def test_refuses_without_root(monkeypatch, capsys):
 
 def test_refuses_without_iproute2(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(emulated_cluster, "find_tool", lambda name: None)
+    monkeypatch.setattr(emulated_network, "find_tool", lambda name: None)
     assert emulated_cluster.main(["--", "train.py"]) == 2
     err = capsys.readouterr().err
     assert "ip and tc" in err and "iproute2" in err

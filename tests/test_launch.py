@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from hf_zeropp.launch import launch
-from hf_zeropp.testing import emulated_cluster
+from hf_zeropp.testing import emulated_network
 from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +163,7 @@ def _launch_on_two_machines(*args: str) -> None:
     network namespace per node) where this machine allows it, else as two machines on this host."""
     options = ["--config_file", str(STOCK_CPU), "--num_machines", "2", "--num_processes", "4",
                "--main_process_port", _port()]
-    if emulated_cluster.namespaces_problem() is None:
+    if emulated_network.namespaces_problem() is None:
         per_node = 'exec "$0" launch --machine_rank "$ZPP_NODE_RANK" --main_process_ip "$ZPP_MASTER_ADDR" "$@"'
         _run([sys.executable, "-m", "hf_zeropp.testing.emulated_cluster", "--nodes", "2", "--nproc-per-node", "2",
               "--link", "none", "--raw", "--", "sh", "-c", per_node, str(BIN / "hf-zeropp"), *options, *args])

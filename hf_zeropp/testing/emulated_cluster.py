@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Emulate a multi-node cluster on one machine with Linux network namespaces, then run torchrun on every "node".
 
     sudo .venv/bin/python -m hf_zeropp.testing.emulated_cluster --nodes 2 --nproc-per-node 2 --link 100mbit \\
@@ -40,231 +39,14 @@ import contextlib
 import ipaddress
 import json
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
-PREFIX = "zpp-"
-_NS_RE = re.compile(r"^zpp-(\d+)-(?:n\d+|sw)$")
-COUNTERS = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
-# bytes of Ethernet + IPv4 + TCP (with the timestamp option Linux uses by default) headers per packet: the wire
-# bytes of a TCP stream minus this per packet are its payload (a pure ACK is exactly this size)
-HEADER_BYTES_PER_PACKET = 14 + 20 + 32
-
-
-class SetupError(RuntimeError):
-    pass
-
-
-def find_tool(name: str) -> str | None:
-    path = shutil.which(name)
-    if path:
-        return path
-    for folder in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"):
-        candidate = os.path.join(folder, name)
-        if os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-def requirements_problem() -> str | None:
-    """Why this machine cannot run the emulator, or None."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return ("the emulated cluster needs root: it creates network namespaces, veth links and tc qdiscs. "
-                "Run it as root (e.g. `sudo .venv/bin/python -m hf_zeropp.testing.emulated_cluster ...`).")
-    missing = [tool for tool in ("ip", "tc") if find_tool(tool) is None]
-    if missing:
-        return (f"the emulated cluster needs the iproute2 tools {' and '.join(missing)} (not found on PATH, /usr/sbin "
-                f"or /sbin); install iproute2 (e.g. `apt-get install iproute2`).")
-    return None
-
-
-def namespaces_problem() -> str | None:
-    """Why the emulator cannot run here (no root, no iproute2, or a kernel that refuses network namespaces), or
-    None: :func:`requirements_problem` plus one namespace made and removed."""
-    problem = requirements_problem()
-    if problem:
-        return problem
-    probe = f"{PREFIX}{os.getpid()}-n0"  # this script's naming: a leftover is cleaned by the emulator's next start
-    ip = find_tool("ip")
-    made = subprocess.run([ip, "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create network namespaces here ({made.stderr.strip()})"
-    subprocess.run([ip, "netns", "del", probe], capture_output=True)
-    return None
-
-
-def parse_rate(text: str) -> int | None:
-    """``100mbit`` -> 100_000_000 bits/s; ``none`` -> None. Accepts tc's bit units (kbit, mbit, gbit, bit)."""
-    if text.lower() in ("none", "off", "unshaped", "0"):
-        return None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"link rate {text!r}: use e.g. 100mbit, 1gbit, 500kbit or none")
-    value, scale, unit = match.groups()
-    bits = float(value) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[scale] * (8 if unit == "bps" else 1)
-    if bits < 8000:
-        raise argparse.ArgumentTypeError(f"link rate {text!r} is below 8kbit")
-    return int(bits)
-
-
-def parse_delay(text: str) -> float | None:
-    """``1ms`` -> 0.001 s; ``0``/``none`` -> None."""
-    if text.lower() in ("none", "0", "0ms", "0us", "0s"):
-        return None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(us|ms|s)", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"latency {text!r}: use e.g. 500us, 1ms, 20ms or none")
-    value, unit = match.groups()
-    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
-
-
-@dataclass
-class Cluster:
-    nodes: int
-    subnet: ipaddress.IPv4Network
-    rate_bits: int | None
-    delay_s: float | None
-    mtu: int
-    prefix: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
-    ip: str = field(default_factory=lambda: find_tool("ip") or "ip")
-    tc: str = field(default_factory=lambda: find_tool("tc") or "tc")
-    created: list[str] = field(default_factory=list)
-    interface: str = "veth0"  # node-side interface name (names are per namespace)
-
-    @property
-    def switch(self) -> str:
-        return f"{self.prefix}sw"
-
-    def namespace(self, node: int) -> str:
-        return f"{self.prefix}n{node}"
-
-    def address(self, node: int) -> str:
-        return str(self.subnet.network_address + 1 + node)
-
-    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(list(args), capture_output=True, text=True)
-        if check and proc.returncode != 0:
-            raise SetupError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
-        return proc
-
-    def ns(self, namespace: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return self._run(self.ip, "netns", "exec", namespace, *args, check=check)
-
-    def build(self) -> None:
-        if self.subnet.num_addresses < self.nodes + 2:
-            raise SetupError(f"subnet {self.subnet} is too small for {self.nodes} nodes")
-        for name in [self.switch] + [self.namespace(i) for i in range(self.nodes)]:
-            self._run(self.ip, "netns", "add", name)
-            self.created.append(name)
-            self._run(self.ip, "-n", name, "link", "set", "lo", "up")
-        sw = self.switch
-        self._run(self.ip, "-n", sw, "link", "add", "br0", "type", "bridge")
-        self._run(self.ip, "-n", sw, "link", "set", "br0", "up")
-        for i in range(self.nodes):
-            node_ns, port = self.namespace(i), f"p{i}"
-            # created directly inside the namespaces: no name ever appears in the host's namespace
-            self._run(self.ip, "link", "add", self.interface, "netns", node_ns, "mtu", str(self.mtu), "type", "veth",
-                      "peer", "name", port, "netns", sw, "mtu", str(self.mtu))
-            self._run(self.ip, "-n", sw, "link", "set", port, "master", "br0")
-            self._run(self.ip, "-n", sw, "link", "set", port, "up")
-            self._run(self.ip, "-n", node_ns, "addr", "add", f"{self.address(i)}/{self.subnet.prefixlen}", "dev",
-                      self.interface)
-            self._run(self.ip, "-n", node_ns, "link", "set", self.interface, "up")
-            self._shape(node_ns, self.interface, delay=True)  # upload: node -> switch
-            self._shape(sw, port, delay=False)  # download: switch -> node
-        self._wait_reachable()
-
-    def _shape(self, namespace: str, device: str, delay: bool) -> None:
-        parent = ["root"]
-        if delay and self.delay_s:
-            proc = self.ns(namespace, self.tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", "delay",
-                           f"{self.delay_s * 1e6:.0f}us", "limit", "100000", check=False)
-            if proc.returncode != 0:
-                raise SetupError(
-                    f"--latency needs the kernel's netem qdisc (sch_netem), which this kernel does not offer "
-                    f"({proc.stderr.strip()}); run with --latency none, or on a kernel with sch_netem")
-            parent = ["parent", "1:"]
-        if self.rate_bits is None:
-            return
-        rate_bytes = self.rate_bits / 8
-        # burst: >= 1 ms of traffic and >= a few 64 KiB GSO segments, so the bucket never starves TCP;
-        # limit: ~50 ms of queue (plus the burst), enough to keep the link busy without unbounded bufferbloat
-        burst = int(max(rate_bytes * 1e-3, 3 * 65536))
-        limit = int(max(rate_bytes * 0.05, 2 * burst))
-        self.ns(namespace, self.tc, "qdisc", "add", "dev", device, *parent, "handle", "10:", "tbf", "rate",
-                str(self.rate_bits), "burst", str(burst), "limit", str(limit))
-
-    def _wait_reachable(self) -> None:
-        """The bridge forwards after its ports come up; give it a moment (no ping needed: check operstate)."""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            states = [self._operstate(self.namespace(i), self.interface) for i in range(self.nodes)]
-            if all(s in ("UP", "UNKNOWN") for s in states):
-                return
-            time.sleep(0.05)
-        raise SetupError(f"veth links did not come up: {states}")
-
-    def _operstate(self, namespace: str, device: str) -> str:
-        proc = self._run(self.ip, "-n", namespace, "-j", "link", "show", "dev", device, check=False)
-        try:
-            return json.loads(proc.stdout)[0].get("operstate", "?")
-        except (ValueError, IndexError):
-            return "?"
-
-    def counters(self) -> list[dict[str, int]]:
-        """Byte and packet counters of every node's veth (what left / entered the node over the link)."""
-        result = []
-        for i in range(self.nodes):
-            proc = self._run(self.ip, "-n", self.namespace(i), "-s", "-j", "link", "show", "dev", self.interface)
-            stats = json.loads(proc.stdout)[0]["stats64"]
-            result.append({"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
-                           "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"]})
-        return result
-
-    def qdiscs(self) -> dict[str, str]:
-        out = {}
-        for i in range(self.nodes):
-            out[f"n{i}:{self.interface}"] = self.ns(self.namespace(i), self.tc, "qdisc", "show", "dev",
-                                                    self.interface, check=False).stdout.strip()
-            out[f"sw:p{i}"] = self.ns(self.switch, self.tc, "qdisc", "show", "dev", f"p{i}", check=False).stdout.strip()
-        return out
-
-    def destroy(self) -> None:
-        for name in reversed(self.created):
-            self._run(self.ip, "netns", "del", name, check=False)
-        self.created.clear()
-
-
-def remove_stale_namespaces(ip: str) -> list[str]:
-    """Delete namespaces of *this script's* prefix whose creating process is gone (a run that was SIGKILLed)."""
-    proc = subprocess.run([ip, "netns", "list"], capture_output=True, text=True)
-    removed = []
-    for line in proc.stdout.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        match = _NS_RE.match(name)
-        if not match:
-            continue
-        pid = int(match.group(1))
-        if pid != os.getpid() and _is_emulator(pid):
-            continue  # a parallel run: not ours to touch
-        subprocess.run([ip, "netns", "del", name], capture_output=True)
-        removed.append(name)
-    return removed
-
-
-def _is_emulator(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return b"emulated_cluster" in handle.read()
-    except OSError:
-        return False
-
+from .emulated_network import (HEADER_BYTES_PER_PACKET, Cluster, SetupError, delta, parse_delay, parse_rate,
+                               remove_stale_namespaces, requirements_problem)
 
 class Launcher:
     """One process per node inside its namespace; output prefixed per node; terminated as a group on exit."""
@@ -342,13 +124,6 @@ def _kill_leftovers_in(cluster: Cluster, launched_groups: set[int]) -> None:
 
 def _signal_to_exception(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    out = {k: after[k] - before[k] for k in COUNTERS}
-    out["tx_payload_bytes"] = out["tx_bytes"] - HEADER_BYTES_PER_PACKET * out["tx_packets"]
-    out["rx_payload_bytes"] = out["rx_bytes"] - HEADER_BYTES_PER_PACKET * out["rx_packets"]
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from hf_zeropp.testing import emulated_cluster
+from hf_zeropp.testing.emulated_network import parse_rate
 
 from .wire import KINDS, expected_node_wire
 
@@ -95,7 +95,7 @@ def analyse(link_results: dict[str, dict], args) -> dict:
 
 def link_bytes_per_s(link: str) -> float | None:
     """``100mbit`` -> 12.5e6 bytes/s (the emulator's own parsing); None for an unshaped link."""
-    bits = emulated_cluster.parse_rate(link)
+    bits = parse_rate(link)
     return bits / 8 if bits is not None else None
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hf_zeropp.testing import emulated_cluster
+from hf_zeropp.testing import emulated_cluster, emulated_network
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def output_folder(args: argparse.Namespace, program: str) -> Path | None:
 
 def requirements_problem() -> str | None:
     """Why the emulated cluster cannot run here (root, ip, tc), or None."""
-    return emulated_cluster.requirements_problem()
+    return emulated_network.requirements_problem()
 
 
 def run_emulated(module: str, worker_args: list[str], link: str, raw: Path, counters: Path, *, nodes: int,
