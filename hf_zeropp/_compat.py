@@ -103,6 +103,13 @@ def in_backward() -> bool:
 
 
 # checked: torch 2.13
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """``Variable._execution_engine.queue_callback``: run ``callback`` once the running backward pass has finished
+    (after FSDP's own final callback, which is queued when backward starts)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# checked: torch 2.13
 def hsdp_mesh_info(mesh: Any, shard_mesh_dim: int, replicate_mesh_dim: int) -> Any:
     """FSDP2's internal ``HSDPMeshInfo`` for ``mesh``: the post-forward (hpZ) mesh description FSDP expects."""
     return _fsdp_module("_fsdp_common").HSDPMeshInfo(mesh, shard_mesh_dim=shard_mesh_dim,

@@ -25,6 +25,7 @@ from .deepspeed_config import options_from_deepspeed
 from .field_types import (allowed_values, describe, flatten_sections, grouped_table, matches, outside_literal,
                           parse_env)
 from .kernels.reference import MAX_HADAMARD, is_rotation_size
+from .presets import PRESETS
 
 # Block sizes are kept to multiples of 8 so that every block starts 8-element aligned for vectorized kernels.
 BLOCK_ALIGNMENT = 8
@@ -33,6 +34,7 @@ BLOCK_ALIGNMENT = 8
 SHARDING = "sharding"
 QWZ = "qwZ: quantized weights"
 HPZ = "hpZ: hierarchical weight partition"
+HYBRID = "hybrid sharding: sharded in the node, replicated across nodes"
 QGZ = "qgZ: quantized gradients"
 ACCURACY = "qgZ accuracy options (the `zeropp-accurate` preset)"
 EXPERIMENTAL = "qgZ experimental options (measured in docs/accuracy.md; in no preset)"
@@ -40,33 +42,13 @@ LAUNCH = "launch"
 KERNELS = "kernels"
 SCHEDULE = "schedules (Trainer integration only)"
 # A config file may group its options under these section keys (flat keys work as well).
-SECTIONS = {"sharding": SHARDING, "weights": QWZ, "hpz": HPZ, "gradients": QGZ, "accuracy": ACCURACY,
+SECTIONS = {"sharding": SHARDING, "weights": QWZ, "hpz": HPZ, "hybrid": HYBRID, "gradients": QGZ, "accuracy": ACCURACY,
             "experimental": EXPERIMENTAL, "launch": LAUNCH, "kernels": KERNELS, "schedules": SCHEDULE}
 
 # ``*_until`` field -> the technique it switches off (set_techniques' keyword)
 SCHEDULED_TECHNIQUES = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
                         "quantized_gradients_until": "quantized_gradients"}
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "ddp": {"stage": 0},
-    "zero1": {"stage": 1},
-    "zero2": {"stage": 2},
-    "zero3": {"stage": 3},
-    "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True},
-    # ZeRO++ with the qgZ options that gave the closest update directions (Adam-normalized gradients) at zeropp's
-    # cross-node bytes among those that did not raise the loss (scripts/experiments/fidelity.py; docs/accuracy.md,
-    # "Beyond ZeRO++"): a
-    # 64-element Hadamard rotation of the gradient blocks, an 8-bit intra-node hop, and each rank's own rows added
-    # in fp32. Same cross-node bytes as zeropp; qgZ's intra-node hop sends twice as many.
-    "zeropp-accurate": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node",
-                        "quantized_gradients": True, "gradient_hadamard": 64, "gradient_intra_bits": 8,
-                        "gradient_full_precision_local": True},
-    "zeropp-lora": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True,
-                    "quantized_nontrainable_weights": True},
-    "zeropp-qwz": {"stage": 3, "quantized_weights": True},
-    "zeropp-hpz": {"stage": 3, "hpz_partition_size": "node"},
-    "zeropp-qgz": {"stage": 3, "quantized_gradients": True},
-}
 
 
 def _option(default: Any, subject: str, doc: str, *, invalid: str = "is invalid; use {allowed}",
@@ -118,6 +100,15 @@ class ZeroPPConfig:
         1, HPZ, 'hpZ: secondary shard over this many ranks (`"node"` = ranks per node; 1 = off; stage 3)',
         invalid="must be {allowed}")
     quantize_hpz_gather: bool = _option(False, HPZ, "also quantize the node-local hpZ all-gather in backward")
+    # ---------------------------------------------------------------- hybrid sharding
+    shard_group: Literal["world", "node"] = _option(
+        "world", HYBRID, '`"node"`: parameters, gradients and optimizer states sharded over the ranks of each node and '
+                         'replicated across nodes (HSDP, MiCS): no weights cross nodes, only one gradient all-reduce '
+                         'per step; `"world"`: over all ranks (ZeRO)')
+    hybrid_gradient_bits: Literal[8, 4] | None = _option(
+        None, HYBRID, "block-quantize the cross-node gradient all-reduce to this width (a reduce-scatter and an "
+                      "all-gather among the ranks of equal local index, overlapping the rest of the backward); "
+                      "None = full precision (FSDP2's HSDP all-reduce)", invalid=_UNSUPPORTED)
     # ---------------------------------------------------------------- qgZ
     quantized_gradients: bool = _option(
         False, QGZ, "qgZ: 2-hop quantized all-to-all instead of the gradient reduce-scatter (stages 1–3)")
@@ -204,6 +195,23 @@ class ZeroPPConfig:
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"{name}={value} must be a fraction of max_steps in (0, 1], e.g. 0.5")
         self._check_stage_supports_options()
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        if self.shard_group != "node":
+            if self.hybrid_gradient_bits is not None:
+                raise ValueError(f"hybrid_gradient_bits={self.hybrid_gradient_bits} quantizes hybrid sharding's "
+                                 f"cross-node all-reduce, but shard_group={self.shard_group!r}; set shard_group: "
+                                 f"node (preset hybrid-q) or remove it")
+            return
+        meaningless = {"quantized_weights": (self.quantized_weights, "no weights cross nodes to quantize"),
+                       "hpz_partition_size": (self.hpz_partition_size != 1, "every node holds a whole replica"),
+                       "quantized_gradients": (self.quantized_gradients, "gradients cross nodes in the hybrid "
+                                               "all-reduce; quantize it with hybrid_gradient_bits")}
+        wrong = [f"{name} ({why})" for name, (on, why) in meaningless.items() if on]
+        if wrong or self.stage == 0:
+            raise ValueError(f"shard_group='node' (hybrid sharding) with {'; '.join(wrong) or 'stage=0'}: meaningless "
+                             f"under hybrid sharding; turn it off, or use shard_group: world (ZeRO++)")
 
     def _check_gradient_hadamard(self) -> None:
         size = self.gradient_hadamard
@@ -291,8 +299,7 @@ class ZeroPPConfig:
     def refuse_schedule(self, entry_point: str) -> None:
         """Raise if a ``*_until`` field is set: only the Trainer integration knows how far training is, so any other
         entry point (``entry_point``, e.g. ``"shard_model"``) would silently never apply the schedule."""
-        schedule = self.schedule()
-        if not schedule:
+        if not (schedule := self.schedule()):
             return
         names = ", ".join(f"{name}={value}" for name, value in schedule.items())
         calls = "; ".join(f"hf_zeropp.set_techniques(model, {SCHEDULED_TECHNIQUES[name]}=False) once {value:.0%} of "

@@ -15,7 +15,6 @@ import datetime
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict

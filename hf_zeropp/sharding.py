@@ -30,6 +30,7 @@ from .config import ZeroPPConfig
 from .frozen import quantize_frozen_weights
 from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
 from .hpz import shared_hpz_mesh
+from .hybrid import check_hybrid_fits, install_hybrid_all_reduce
 from .inference import route_generate
 from .materialize import RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source
 from .optimizer_hooks import watch_parameters
@@ -95,6 +96,7 @@ def _check_before_any_collective(model: nn.Module, config: ZeroPPConfig, device:
     device = torch.device(device) if device is not None else _default_device()
     topology = get_topology(config, device.type)  # node and hpZ sizes checked; no group built yet
     has_blocks = bool(_blocks(model, config.wrap_modules))
+    check_hybrid_fits(model, config, topology, device)
     _ = topology.world_mesh, topology.node_mesh, topology.hpz_mesh, topology.control_group
     return topology, device, has_blocks
 
@@ -143,17 +145,26 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
     reshard: bool | int = config.stage == 3
     if config.stage == 3 and topology.hpz_size > 1:
         reshard = topology.hpz_size
+    mesh = _sharding_mesh(config, topology)
     with shared_hpz_mesh(topology):
         for unit in units:
-            fully_shard(unit, mesh=topology.world_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
         # the root keeps its weights gathered from forward to backward, as stock FSDP2's root does: backward
         # starts with it, so resharding would only gather the same weights again (the tied embedding, mostly).
         # A frozen model has no backward: it would hold its root gathered from one forward to the next
         root_reshard = reshard if frozen else False
-        fully_shard(model, mesh=topology.world_mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy)
     if device.type == "cpu":
         _prefetch_gathers(model, units)
     return units
+
+
+def _sharding_mesh(config: ZeroPPConfig, topology: Topology):
+    """All ranks (ZeRO); or, hybrid, the 2-D ``(nodes, node_size)`` mesh on which FSDP2 shards in the node and
+    all-reduces across nodes itself (HSDP), or the node's ranks alone when hf_zeropp quantizes that all-reduce."""
+    if config.shard_group != "node" or topology.nodes == 1:
+        return topology.world_mesh
+    return topology.node_mesh if config.hybrid_gradient_bits is None else topology.node_shard_mesh
 
 
 def _route_generation(model: nn.Module, config: ZeroPPConfig) -> None:
@@ -242,6 +253,8 @@ def _install_comms(model: nn.Module, state: ZeroPPState) -> None:
         module.set_custom_reduce_scatter(reduce_scatter)
         state.all_gathers.append(all_gather)
         state.reduce_scatters.append(reduce_scatter)
+    if state.config.shard_group == "node" and state.topology.nodes > 1:
+        install_hybrid_all_reduce(fsdp_modules(model), state.config, state.topology, state.meter)
 
 
 def _allreduce_meter(meter: CommMeter, topology: Topology):

@@ -102,6 +102,12 @@ class Topology:
         return _mesh(self.device_type, (self.nodes, self.node_size), ("inter_node", "intra_node"))
 
     @property
+    def node_shard_mesh(self) -> DeviceMesh:
+        """The ranks of my node as a 1-D mesh: FSDP2 on it shards within the node and replicates across nodes, and
+        leaves the cross-node gradient all-reduce to a hook (hybrid sharding with a quantized all-reduce)."""
+        return self.node_mesh["intra_node"]
+
+    @property
     def intra_node_group(self) -> dist.ProcessGroup:
         return self.node_mesh.get_group("intra_node")
 

@@ -15,11 +15,12 @@ ROOT = PACKAGE.parent
 
 LAYERS = [
     {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
-     "deepspeed_config", "field_types", "_compat", "testing", "testing.corpus", "testing.spawn", "testing.tiny_models",
-     "testing.payloads", "testing.emulated_network", "testing.emulated_cluster"},
+     "deepspeed_config", "field_types", "presets", "_compat", "testing", "testing.corpus", "testing.spawn",
+     "testing.tiny_models", "testing.payloads", "testing.emulated_network", "testing.emulated_cluster"},
     {"config"},
     {"topology"},
     {"comm_meter", "hpz", "materialize", "qgz_payload"},
+    {"hybrid"},
     {"qwz", "qgz", "frozen", "full_state", "inference", "state", "optimizer_hooks"},
     {"reports", "runtime"},
     {"sharding"},

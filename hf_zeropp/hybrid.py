@@ -1,0 +1,223 @@
+"""Hybrid sharding (``shard_group: node``): states sharded inside each node, replicated across nodes, and the one
+collective that crosses nodes, the gradient all-reduce, optionally block-quantized (``hybrid_gradient_bits``).
+
+FSDP2 shards every unit over the node's ranks. After its reduce-scatter inside the node, the ranks of equal local
+index (one per node: the inter-node group) hold the same shard of their nodes' partial sums; averaging those is the
+only traffic between nodes, once per step and on 1/(ranks per node) of the model. In full precision that is FSDP2's
+own HSDP all-reduce (a 2-D mesh). Quantized, FSDP2 runs on the node's 1-D mesh and its all-reduce hook calls
+:class:`QuantizedCrossNodeAllReduce`, which sends:
+
+1. a reduce-scatter across nodes as an all-to-all of block-quantized chunks (chunk ``m`` to node ``m``, which adds
+   the arrivals in fp32 and its own chunk exactly: it never left the rank);
+2. an all-gather of the requantized sums. Every node dequantizes every chunk, its own included, so that all
+   replicas get the same gradient, bit for bit, and stay identical after the optimizer step.
+
+Both hops run asynchronously: the hook quantizes a unit's partial sum, starts hop 1 and returns, so the rest of the
+backward runs while the bytes travel; the next unit's hook starts hop 2 of the one before (at the same point on every
+rank: collectives on one group must keep one order). Once the backward
+has finished (an autograd final callback, before clipping and the optimizer step) every unit is completed and its
+gradients are set to the cross-node mean, each value divided by the world size once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import kernels
+from ._compat import in_backward, local_tensor, queue_backward_callback
+from .comm_meter import CommMeter, nbytes
+from .config import ZeroPPConfig
+from .layout import parameter_spans
+from .topology import Topology
+
+# bytes of fp32 master weights, gradients and Adam's two moments per parameter: what a rank holds per parameter it
+# owns, the basis of the check that a node can hold the states of the whole model
+STATE_BYTES_PER_PARAMETER = 16
+
+
+@dataclass
+class _Unit:
+    """One FSDP unit's cross-node all-reduce in flight."""
+
+    module: nn.Module
+    partial: torch.Tensor  # this node's sum, fp32, as the hook received it
+    spans: list[tuple[nn.Parameter, int, int]]
+    accumulated: list[torch.Tensor | None]  # the gradients the parameters held before this backward (accumulation)
+    rows: torch.Tensor  # partial, zero-padded, one row per node
+    hop1: dist.Work | None = None
+    arrived: torch.Tensor | None = None
+    hop2: dist.Work | None = None
+    gathered: torch.Tensor | None = None
+    seeds: list[int] = field(default_factory=list)
+
+
+class QuantizedCrossNodeAllReduce:
+    """The all-reduce hook of every FSDP unit of one model (:meth:`hook_for`)."""
+
+    def __init__(self, config: ZeroPPConfig, topology: Topology, meter: CommMeter) -> None:
+        self.bits = int(config.hybrid_gradient_bits)
+        self.block_size = config.gradient_block_size or config.block_size
+        self.hadamard = config.gradient_hadamard
+        self.stochastic = config.stochastic_rounding
+        self.seed = config.seed
+        self.backend = config.kernel_backend
+        self.topology = topology
+        self.meter = meter
+        self.group = topology.inter_node_group
+        self.calls = 0
+        self.pending: list[_Unit] = []
+        self.finish_queued = False
+
+    def hook_for(self, module: nn.Module):
+        def hook(reduce_output: torch.Tensor) -> None:
+            self._start(module, reduce_output)
+
+        return hook
+
+    # ---------------------------------------------------------------- the hook
+
+    def _start(self, module: nn.Module, reduce_output: torch.Tensor) -> None:
+        topo = self.topology
+        partial = reduce_output.detach().to(torch.float32, copy=True)
+        spans = parameter_spans(module, True, partial.numel(), topo.node_size)
+        chunk = -(-partial.numel() // (topo.nodes * self.block_size)) * self.block_size
+        rows = partial.new_zeros(topo.nodes, chunk)
+        rows.view(-1)[:partial.numel()] = partial
+        unit = _Unit(module, partial, spans or [], [], rows)
+        self._send_chunks(unit)
+        if spans is None or not in_backward():
+            # FSDP's layout is not the one expected (or no backward to wait for): finish now, in place
+            self.meter.note("hybrid_allreduce", "synchronous (the unit's gradient layout was not the expected one)")
+            self._receive_chunks(unit)
+            reduce_output.copy_(self._result(unit))
+            return
+        unit.accumulated = [None if p.grad is None else local_tensor(p.grad).clone() for p, _, _ in spans]
+        if self.pending and self.pending[-1].hop2 is None:
+            # the unit before this one had its backward's worth of compute to arrive; every rank advances the same
+            # unit at the same point, so the group's collectives keep one order on all of them
+            self._receive_chunks(self.pending[-1])
+        self.pending.append(unit)
+        if not self.finish_queued:
+            queue_backward_callback(self.finish)
+            self.finish_queued = True
+
+    # ---------------------------------------------------------------- the two hops
+
+    def _quantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows to one byte buffer per row: codes then fp32 scales (one collective carries both)."""
+        self.calls += 1
+        seed = (self.seed * 1_000_003 + self.calls * 7919 + self.topology.rank * 104_729) & 0xFFFFFFFF
+        codes, scales = kernels.quantize(rows, self.bits, self.block_size, stochastic=self.stochastic, seed=seed,
+                                         hadamard=self.hadamard, backend=self.backend)
+        return torch.cat((codes.view(torch.int8), scales.view(torch.int8)), dim=1)
+
+    def _dequantize(self, packed: torch.Tensor, length: int) -> torch.Tensor:
+        code_bytes = kernels.packed_length(length, self.bits)
+        codes = packed[:, :code_bytes].contiguous()
+        scales = packed[:, code_bytes:].contiguous().view(torch.float32)
+        return kernels.dequantize(codes, scales, bits=self.bits, block_size=self.block_size, length=length,
+                                  hadamard=self.hadamard, backend=self.backend)
+
+    def _send_chunks(self, unit: _Unit) -> None:
+        """Hop 1: chunk ``m`` of this node's partial sum, quantized, to the rank of my local index on node ``m``."""
+        packed = self._quantize(unit.rows)
+        unit.arrived = torch.empty_like(packed)
+        unit.hop1 = dist.all_to_all_single(unit.arrived, packed, group=self.group, async_op=True)
+        self.meter.record("hybrid_reduce_scatter", self.group, nbytes(packed[0]), self.describe())
+
+    def _receive_chunks(self, unit: _Unit) -> None:
+        """Between the hops: add the nodes' chunks of my part (mine exactly), requantize, start hop 2."""
+        unit.hop1.wait()
+        node, length = self.topology.node, unit.rows.shape[1]
+        restored = self._dequantize(unit.arrived, length)
+        restored[node] = unit.rows[node]
+        total = restored.sum(dim=0, keepdim=True)
+        packed = self._quantize(total)
+        unit.gathered = packed.new_empty(self.topology.nodes, packed.shape[1])
+        unit.hop2 = dist.all_gather_into_tensor(unit.gathered, packed, group=self.group, async_op=True)
+        self.meter.record("hybrid_all_gather", self.group, nbytes(packed), self.describe())
+
+    def _result(self, unit: _Unit) -> torch.Tensor:
+        """Hop 2 arrived: the sum over all ranks, identical on every node (each dequantizes the same bytes)."""
+        unit.hop2.wait()
+        summed = self._dequantize(unit.gathered, unit.rows.shape[1])
+        return summed.view(-1)[:unit.partial.numel()]
+
+    # ---------------------------------------------------------------- after backward
+
+    def finish(self) -> None:
+        """Complete every unit of this backward and give its parameters the cross-node mean as gradient."""
+        self.finish_queued = False
+        pending, self.pending = self.pending, []
+        for unit in pending:
+            if unit.hop2 is None:
+                self._receive_chunks(unit)
+        world = self.topology.world_size
+        for unit in pending:
+            mean = self._result(unit) / world
+            for (param, start, _), before in zip(unit.spans, unit.accumulated):
+                grad = local_tensor(param.grad)
+                update = mean[start:start + grad.numel()].view_as(grad)
+                grad.copy_(update if before is None else before + update.to(before.dtype))
+
+    def describe(self) -> str:
+        return (f"hybrid cross-node all-reduce: int{self.bits} block {self.block_size} reduce-scatter + all-gather "
+                f"among {self.topology.nodes} nodes, asynchronous"
+                + (f", Hadamard {self.hadamard}" if self.hadamard else "")
+                + (", stochastic rounding" if self.stochastic else ""))
+
+
+def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, topology: Topology,
+                              meter: CommMeter) -> None:
+    """Give FSDP's cross-node all-reduce of every unit to the meter (full precision: FSDP2's HSDP all-reduce) or
+    to :class:`QuantizedCrossNodeAllReduce`, which also sets the divide factor so each value is averaged once."""
+    if config.hybrid_gradient_bits is None or topology.nodes == 1:
+        group = topology.inter_node_group
+
+        def metered(reduced: torch.Tensor) -> None:
+            meter.record_allreduce(group, nbytes(reduced), f"hybrid cross-node all-reduce {reduced.dtype} (FSDP2 HSDP)")
+
+        for module in modules:
+            module.set_all_reduce_hook(metered)
+        return
+    all_reduce = QuantizedCrossNodeAllReduce(config, topology, meter)
+    for module in modules:
+        module.set_all_reduce_hook(all_reduce.hook_for(module))
+        module.set_gradient_divide_factor(float(topology.world_size))
+
+
+def check_hybrid_fits(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device) -> None:
+    """Before any collective: hybrid sharding on one node is ZeRO-3 (say so); its states (fp32 weights, gradients,
+    Adam moments) divided by the ranks of a node must fit the memory free for one rank."""
+    if config.shard_group != "node":
+        return
+    if topology.nodes == 1:
+        warnings.warn(f"shard_group='node' on a single node ({topology.node_size} ranks) is ZeRO-3 there: nothing "
+                      f"is replicated; use preset zero3 (or hybrid on several nodes)", stacklevel=3)
+        return
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    needed = (trainable * STATE_BYTES_PER_PARAMETER + frozen * 4) / topology.node_size
+    free = _free_bytes_per_rank(device, topology.node_size)
+    if free is not None and needed > free:
+        raise ValueError(
+            f"shard_group='node': {trainable:,} trainable and {frozen:,} frozen parameters need about "
+            f"{needed / 2**30:.2f} GiB of states per rank when sharded over a node of {topology.node_size} ranks, but "
+            f"about {free / 2**30:.2f} GiB is free per rank on {device.type}; shard over all ranks instead (preset "
+            f"zero3 or zeropp)")
+
+
+def _free_bytes_per_rank(device: torch.device, ranks_per_node: int) -> float | None:
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as handle:
+            fields = dict(line.split(":", 1) for line in handle)
+        return int(fields["MemAvailable"].split()[0]) * 1024 / ranks_per_node
+    except (OSError, KeyError, ValueError):
+        return None
