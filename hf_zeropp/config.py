@@ -101,10 +101,11 @@ class ZeroPPConfig:
         invalid="must be {allowed}")
     quantize_hpz_gather: bool = _option(False, HPZ, "also quantize the node-local hpZ all-gather in backward")
     # ---------------------------------------------------------------- hybrid sharding
-    shard_group: Literal["world", "node"] = _option(
+    shard_group: Literal["world", "node", "auto"] = _option(
         "world", HYBRID, '`"node"`: parameters, gradients and optimizer states sharded over the ranks of each node and '
                          'replicated across nodes (HSDP, MiCS): no weights cross nodes, only one gradient all-reduce '
-                         'per step; `"world"`: over all ranks (ZeRO)')
+                         'per step; `"world"`: over all ranks (ZeRO); `"auto"` (preset auto): probe the links at '
+                         'start and choose zero3, zeropp, hybrid or hybrid-q')
     hybrid_gradient_bits: Literal[8, 4] | None = _option(
         None, HYBRID, "block-quantize the cross-node gradient all-reduce to this width (a reduce-scatter and an "
                       "all-gather among the ranks of equal local index, overlapping the rest of the backward); "
@@ -198,20 +199,21 @@ class ZeroPPConfig:
         self._check_hybrid()
 
     def _check_hybrid(self) -> None:
-        if self.shard_group != "node":
-            if self.hybrid_gradient_bits is not None:
-                raise ValueError(f"hybrid_gradient_bits={self.hybrid_gradient_bits} quantizes hybrid sharding's "
-                                 f"cross-node all-reduce, but shard_group={self.shard_group!r}; set shard_group: "
-                                 f"node (preset hybrid-q) or remove it")
-            return
-        meaningless = {"quantized_weights": (self.quantized_weights, "no weights cross nodes to quantize"),
-                       "hpz_partition_size": (self.hpz_partition_size != 1, "every node holds a whole replica"),
-                       "quantized_gradients": (self.quantized_gradients, "gradients cross nodes in the hybrid "
-                                               "all-reduce; quantize it with hybrid_gradient_bits")}
-        wrong = [f"{name} ({why})" for name, (on, why) in meaningless.items() if on]
-        if wrong or self.stage == 0:
-            raise ValueError(f"shard_group='node' (hybrid sharding) with {'; '.join(wrong) or 'stage=0'}: meaningless "
-                             f"under hybrid sharding; turn it off, or use shard_group: world (ZeRO++)")
+        on = [name for name, value in (("quantized_weights", self.quantized_weights),
+                                       ("hpz_partition_size", self.hpz_partition_size != 1),
+                                       ("quantized_gradients", self.quantized_gradients),
+                                       ("hybrid_gradient_bits", self.hybrid_gradient_bits is not None)) if value]
+        if self.shard_group == "auto" and (on or self.stage != 3):
+            raise ValueError(f"shard_group='auto' (preset auto) chooses stage 3 and the techniques itself, but "
+                             f"{', '.join(on) or f'stage={self.stage}'} is set; remove it, or name a preset instead")
+        if self.shard_group == "world" and "hybrid_gradient_bits" in on:
+            raise ValueError(f"hybrid_gradient_bits={self.hybrid_gradient_bits} quantizes hybrid sharding's all-reduce,"
+                             f" but shard_group='world'; set shard_group: node (preset hybrid-q) or remove it")
+        zero_pp = [name for name in on if name != "hybrid_gradient_bits"]
+        if self.shard_group == "node" and (zero_pp or self.stage == 0):
+            raise ValueError(f"shard_group='node' (hybrid sharding) with {', '.join(zero_pp) or 'stage=0'}: no weights "
+                             f"cross nodes under hybrid sharding, and gradients cross them in its all-reduce (quantize "
+                             f"it with hybrid_gradient_bits); turn it off, or use shard_group: world (ZeRO++)")
 
     def _check_gradient_hadamard(self) -> None:
         size = self.gradient_hadamard
@@ -248,8 +250,7 @@ class ZeroPPConfig:
                              f"the fixed format's bytes; e.g. 2")
 
     def _check_fields(self) -> None:
-        """Every field's value against the type of its annotation (an integer where a float is expected becomes a
-        float)."""
+        """Every field's value against its annotation's type (an integer where a float is expected becomes one)."""
         hints = typing.get_type_hints(type(self))
         for f in fields(self):
             if f.name == "extra":
@@ -283,12 +284,11 @@ class ZeroPPConfig:
             "quantized_nontrainable_weights": (self.quantized_nontrainable_weights, (1, 2, 3)),
         }
         for name, (on, stages) in wanted.items():
+            why = ("hpZ keeps a secondary shard of weights that only stage 3 reshards" if name == "hpz_partition_size"
+                   else "stage 0 is plain data parallel with no sharded collectives to change")
             if on and self.stage not in stages:
-                raise ValueError(
-                    f"{name} needs stage {' or '.join(map(str, stages))}, but stage={self.stage}: "
-                    f"{'hpZ keeps a secondary shard of weights that only stage 3 reshards' if name == 'hpz_partition_size' else 'stage 0 is plain data parallel with no sharded collectives to change'}; "
-                    f"set stage=3 or turn {name} off"
-                )
+                raise ValueError(f"{name} needs stage {' or '.join(map(str, stages))}, but stage={self.stage}: {why}; "
+                                 f"set stage=3 or turn {name} off")
 
     # ---------------------------------------------------------------- schedules
 

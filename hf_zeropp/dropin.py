@@ -143,6 +143,11 @@ def describe(config: ZeroPPConfig, topology: Topology) -> str:
         techniques.append(f"qgZ int{intra}/int{config.gradient_bits}")
     if config.quantized_nontrainable_weights:
         techniques.append("frozen weights INT8")
+    if config.shard_group == "node":
+        bits = config.hybrid_gradient_bits
+        techniques.append(f"hybrid (sharded in the node; cross-node all-reduce {f'int{bits}' if bits else 'full'})")
+    if config.shard_group == "auto":
+        techniques.append("auto (zero3, zeropp, hybrid or hybrid-q, chosen when sharding starts)")
     if config.mixed_precision != "no":
         techniques.append(config.mixed_precision)
     return (f"hf_zeropp launch: accelerate.Accelerator, transformers.Trainer (TRL's trainers too) and "

@@ -200,16 +200,25 @@ def check_hybrid_fits(model: nn.Module, config: ZeroPPConfig, topology: Topology
         warnings.warn(f"shard_group='node' on a single node ({topology.node_size} ranks) is ZeRO-3 there: nothing "
                       f"is replicated; use preset zero3 (or hybrid on several nodes)", stacklevel=3)
         return
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    needed = (trainable * STATE_BYTES_PER_PARAMETER + frozen * 4) / topology.node_size
-    free = _free_bytes_per_rank(device, topology.node_size)
-    if free is not None and needed > free:
+    fits, needed, free = hybrid_fits(model, topology, device)
+    if not fits:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters()) - trainable
         raise ValueError(
             f"shard_group='node': {trainable:,} trainable and {frozen:,} frozen parameters need about "
             f"{needed / 2**30:.2f} GiB of states per rank when sharded over a node of {topology.node_size} ranks, but "
             f"about {free / 2**30:.2f} GiB is free per rank on {device.type}; shard over all ranks instead (preset "
             f"zero3 or zeropp)")
+
+
+def hybrid_fits(model: nn.Module, topology: Topology, device: torch.device) -> tuple[bool, float, float]:
+    """(fits, bytes of states per rank under hybrid sharding, bytes free per rank; inf when unknown)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters()) - trainable
+    needed = (trainable * STATE_BYTES_PER_PARAMETER + frozen * 4) / topology.node_size
+    free = _free_bytes_per_rank(device, topology.node_size)
+    free = float("inf") if free is None else free
+    return needed <= free, needed, free
 
 
 def _free_bytes_per_rank(device: torch.device, ranks_per_node: int) -> float | None:

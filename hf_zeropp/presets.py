@@ -26,4 +26,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # sharded inside the node, replicated across nodes: no weights cross nodes, one gradient all-reduce per step
     "hybrid": {"stage": 3, "shard_group": "node"},
     "hybrid-q": {"stage": 3, "shard_group": "node", "hybrid_gradient_bits": 4},
+    # one of zero3, zeropp, hybrid, hybrid-q, chosen when sharding starts from a probe of the links (hf_zeropp.auto)
+    "auto": {"stage": 3, "shard_group": "auto"},
 }

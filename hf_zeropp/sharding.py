@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from ._compat import apply_activation_checkpointing, no_split_modules, set_unshard_async_op
+from .auto import choose as choose_configuration
 from .comm_meter import CommMeter
 from .config import ZeroPPConfig
 from .frozen import quantize_frozen_weights
@@ -57,7 +58,12 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     topology, device, has_blocks = _check_before_any_collective(model, config, device, runs_schedule)
     if frozen:  # after the checks: a refused call leaves the model as it was
         model.requires_grad_(False)
+    choice = None
+    if config.shard_group == "auto":  # probe the links, then shard as the chosen preset
+        config, topology, device, has_blocks, choice = _choose(model, config, topology, device, runs_schedule)
     meter = CommMeter(topology)
+    if choice:
+        meter.conditions["auto"] = choice
     original_class, before = type(model), dict(model.named_parameters())
     placement = agree_on_placement(model, topology)
     rank0_state = model.state_dict() if placement == RANK0 and topology.rank == 0 else {}  # references, not copies
@@ -99,6 +105,16 @@ def _check_before_any_collective(model: nn.Module, config: ZeroPPConfig, device:
     check_hybrid_fits(model, config, topology, device)
     _ = topology.world_mesh, topology.node_mesh, topology.hpz_mesh, topology.control_group
     return topology, device, has_blocks
+
+
+def _choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device, runs_schedule: bool
+            ) -> tuple[ZeroPPConfig, Topology, torch.device, bool, str]:
+    """``shard_group: auto``: probe the links (:mod:`hf_zeropp.auto`), say on rank 0 what was chosen and why, and
+    check the chosen config as any other before its first collective."""
+    config, choice = choose_configuration(model, config, topology, device, len(_units(model, config.wrap_modules)))
+    if topology.rank == 0:
+        print(f"hf_zeropp {choice}", flush=True)
+    return (config, *_check_before_any_collective(model, config, device, runs_schedule), choice)
 
 
 def _make_replicas_equal(model: nn.Module, topology: Topology, device: torch.device) -> None:

@@ -21,6 +21,7 @@ LAYERS = [
     {"topology"},
     {"comm_meter", "hpz", "materialize", "qgz_payload"},
     {"hybrid"},
+    {"auto"},
     {"qwz", "qgz", "frozen", "full_state", "inference", "state", "optimizer_hooks"},
     {"reports", "runtime"},
     {"sharding"},

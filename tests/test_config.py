@@ -251,7 +251,7 @@ def test_enumerations_are_literal_annotations_checked_by_one_routine():
                                ("reduce_dtype", "fp8", "one of ('fp32', 'bf16', 'fp16')"),
                                ("kernel_backend", "triton", "one of ('reference', 'cpp', 'cuda') or None"),
                                ("hpz_partition_size", "rack", "an integer or 'node'"),
-                               ("shard_group", "rack", "one of ('world', 'node')")]:
+                               ("shard_group", "rack", "one of ('world', 'node', 'auto')")]:
         with pytest.raises(ValueError) as raised:
             ZeroPPConfig(**{name: bad})
         assert f"{name}={bad!r}" in str(raised.value) and allowed in str(raised.value), str(raised.value)

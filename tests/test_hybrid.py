@@ -171,14 +171,18 @@ def test_hybrid_q_resumes_from_a_checkpoint_exactly(runs):
 
 
 def test_bad_hybrid_configurations_are_refused_before_any_collective():
-    for options, message in (({"quantized_weights": True}, "quantized_weights (no weights cross nodes"),
-                             ({"hpz_partition_size": "node"}, "hpz_partition_size (every node holds"),
-                             ({"quantized_gradients": True}, "quantize it with hybrid_gradient_bits"),
-                             ({"stage": 0}, "stage=0")):
-        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    for options, named in (({"quantized_weights": True}, "quantized_weights"),
+                           ({"hpz_partition_size": "node"}, "hpz_partition_size"),
+                           ({"quantized_gradients": True}, "quantized_gradients"), ({"stage": 0}, "stage=0")):
+        with pytest.raises(ValueError, match=f"shard_group='node' \\(hybrid sharding\\) with {named}: no weights "
+                                             f"cross nodes.*quantize it with hybrid_gradient_bits"):
             ZeroPPConfig.preset("hybrid", **options)
     with pytest.raises(ValueError, match="shard_group='world'; set shard_group: node"):
         ZeroPPConfig(hybrid_gradient_bits=4)
+    for options, named in (({"quantized_weights": True}, "quantized_weights"), ({"stage": 2}, "stage=2"),
+                           ({"hybrid_gradient_bits": 4}, "hybrid_gradient_bits")):
+        with pytest.raises(ValueError, match=f"chooses stage 3 and the techniques itself, but {named} is set"):
+            ZeroPPConfig.preset("auto", **options)
 
 
 def test_hybrid_refuses_a_model_whose_states_do_not_fit_a_node(monkeypatch):

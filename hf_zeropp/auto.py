@@ -1,0 +1,148 @@
+"""``zeropp: auto`` (``shard_group: auto``): measure the links when sharding starts and choose ZeRO-3, ZeRO++,
+hybrid or hybrid-q for this model on this cluster.
+
+The probe (about a second) times an all-to-all inside the node and one across nodes, each at two sizes (the
+per-call latency and the bytes per second each rank sends), and the quantization kernels. Every rank measures; the
+slowest rank's numbers count, and rank 0 decides and broadcasts, so every rank shards the same way. The model then
+predicts each candidate's communication time per step from the bytes each rank sends inside and across nodes (the
+counts :func:`hf_zeropp.comm_stats` reports, derived from the parameter count), the number of collective calls, and
+the kernel time of its quantization. Compute is the same for every candidate, so it drops out of the comparison.
+ZeRO-3 is kept unless another candidate is predicted at least ``MARGIN`` faster; hybrid is a candidate only when
+the model's states divided by the ranks of a node fit the memory free per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import kernels
+from .config import ZeroPPConfig
+from .hybrid import hybrid_fits
+from .presets import PRESETS
+from .topology import Topology
+
+CANDIDATES = ("zero3", "zeropp", "hybrid", "hybrid-q")
+MARGIN = 0.05  # ZeRO-3 gives way only to a candidate predicted at least 5 % faster
+PROBE_ENV = "ZEROPP_AUTO_PROBE"  # "0" turns the probe off: auto then keeps ZeRO-3 and says why
+_SMALL, _LARGE = 1 << 10, 1 << 18  # bytes each rank sends to each peer in the probe's two sizes
+_DTYPE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2}
+_INT8, _INT4 = 1 + 4 / 256, 0.5 + 4 / 256  # bytes per element with one fp32 scale per 256
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the probe measured: per-call latency (s) and the bytes per second a rank sends, inside a node and across
+    nodes; seconds per element to quantize and dequantize."""
+
+    intra_latency: float
+    intra_rate: float
+    inter_latency: float
+    inter_rate: float
+    quantize_seconds_per_element: float
+
+    def seconds(self, calls: dict[str, int], sent: dict[str, float], elements: float) -> float:
+        """Calls and bytes per rank (``intra``, ``inter``, ``world`` calls pay the slower latency) plus kernels."""
+        latency = (calls.get("intra", 0) * self.intra_latency + calls.get("inter", 0) * self.inter_latency
+                   + calls.get("world", 0) * max(self.intra_latency, self.inter_latency))
+        return (latency + sent.get("intra", 0.0) / self.intra_rate + sent.get("inter", 0.0) / self.inter_rate
+                + elements * self.quantize_seconds_per_element)
+
+
+def probe_links(topology: Topology, device: torch.device) -> Links:
+    """Time the node's and the cross-node group's all-to-all at two sizes and the kernels; the slowest rank's."""
+    measured = []
+    for group in (topology.intra_node_group, topology.inter_node_group):
+        peers = dist.get_world_size(group)
+        small = _time(lambda: _all_to_all(group, peers, _SMALL, device))
+        large = _time(lambda: _all_to_all(group, peers, _LARGE, device))
+        sent = (peers - 1) * (_LARGE - _SMALL)
+        measured += [small, sent / max(large - small, 1e-9)]
+    values = torch.randn(1 << 18, device=device)
+    quantize = _time(lambda: kernels.dequantize(*kernels.quantize(values, 4, 256), bits=4, block_size=256))
+    # the slowest rank's latency and kernel time, its lowest rate: rates travel as their inverse
+    times = torch.tensor([measured[0], 1 / measured[1], measured[2], 1 / measured[3], quantize], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return Links(float(times[0]), 1 / float(times[1]), float(times[2]), 1 / float(times[3]),
+                 float(times[4]) / values.numel())
+
+
+def _all_to_all(group: dist.ProcessGroup, peers: int, per_peer: int, device: torch.device) -> None:
+    data = torch.empty(peers * per_peer, dtype=torch.uint8, device=device)
+    dist.all_to_all_single(torch.empty_like(data), data, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(run, repeats: int = 3) -> float:
+    run()  # warm-up: connections and buffers
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def step_traffic(name: str, config: ZeroPPConfig, topology: Topology, parameters: int, trainable: int,
+                 units: int) -> tuple[dict[str, int], dict[str, float], float]:
+    """(calls per group kind, bytes this rank sends intra / inter node, elements quantized) for one step of stage 3
+    under preset ``name`` with ``config``'s dtypes, by the meter's accounting."""
+    w, g = _DTYPE_BYTES[config.mixed_precision], _DTYPE_BYTES[config.reduce_dtype]
+    d, n, world = topology.node_size, topology.nodes, topology.world_size
+    intra_share, inter_share = (d - 1) / world, (world - d) / world  # of a world collective's buffer, per rank
+    if name == "zero3":
+        data = 2 * parameters * w + trainable * g
+        return {"world": 3 * units}, {"intra": data * intra_share, "inter": data * inter_share}, 0.0
+    if name == "zeropp":
+        forward = parameters * _INT8
+        sent = {"intra": forward * intra_share + parameters * w * (d - 1) / d + trainable * _INT4 * (d - 1) / d,
+                "inter": forward * inter_share + trainable * _INT4 * (n - 1) / world}
+        return {"world": units, "intra": 2 * units, "inter": units}, sent, parameters * 2.0 + trainable * 2.0
+    node_data = 2 * parameters * w + trainable * g
+    intra = node_data * (d - 1) / d
+    if name == "hybrid":
+        return {"intra": 3 * units, "inter": units}, {"intra": intra, "inter": 2 * trainable * g * (n - 1) / world}, 0.0
+    return ({"intra": 3 * units, "inter": 2 * units}, {"intra": intra, "inter": 2 * trainable * _INT4 * (n - 1) / world},
+            3.0 * trainable / d)
+
+
+def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
+           units: int) -> tuple[ZeroPPConfig, str]:
+    """The resolved config for ``shard_group: auto`` and one line saying what was chosen and why (a collective)."""
+    keep = {f: getattr(config, f) for f in ("mixed_precision", "reduce_dtype", "wrap_modules",
+                                            "activation_checkpointing", "generation_gather", "node_size",
+                                            "kernel_backend", "block_size", "seed")}
+
+    def resolved(name: str) -> ZeroPPConfig:
+        return ZeroPPConfig.from_dict({**PRESETS[name], **keep})
+
+    if topology.nodes == 1:
+        return resolved("zero3"), "auto: zero3 (a single node: no link between nodes to save bytes on)"
+    if os.environ.get(PROBE_ENV, "1") == "0":
+        return resolved("zero3"), f"auto: zero3 (the link probe is off: {PROBE_ENV}=0)"
+    links = probe_links(topology, device)
+    parameters = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fits = hybrid_fits(model, topology, device)[0]
+    predicted = {name: links.seconds(*step_traffic(name, config, topology, parameters, trainable, units))
+                 for name in CANDIDATES if fits or not name.startswith("hybrid")}
+    best = min(predicted, key=predicted.get)
+    if predicted[best] > (1 - MARGIN) * predicted["zero3"]:
+        best = "zero3"
+    choice = torch.tensor([CANDIDATES.index(best)], device=device)
+    dist.broadcast(choice, src=0)  # identical numbers on every rank; rank 0's word is final all the same
+    best = CANDIDATES[int(choice)]
+    alternatives = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in sorted(predicted.items(),
+                                                                                         key=lambda kv: kv[1]))
+    return resolved(best), (
+        f"auto: {best} (predicted communication per step: {alternatives}; links measured: intra-node "
+        f"{links.intra_rate / 1e6:.0f} MB/s + {links.intra_latency * 1e3:.2f} ms per call, inter-node "
+        f"{links.inter_rate / 1e6:.0f} MB/s + {links.inter_latency * 1e3:.2f} ms per call"
+        + ("" if fits else "; hybrid left out: the states do not fit a node") + ")")

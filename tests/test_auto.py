@@ -1,0 +1,132 @@
+"""``zeropp: auto``: the link probe, the step-time model that compares ZeRO-3, ZeRO++, hybrid and hybrid-q, and the
+choice: the same on every rank, reported in ``comm_stats``, and training exactly as the chosen preset does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zeropp import ZeroPPConfig
+from hf_zeropp.auto import CANDIDATES, Links, step_traffic
+from hf_zeropp.testing.spawn import run_distributed
+from hf_zeropp.topology import Topology
+
+SLOW = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-3, inter_rate=12.5e6,
+             quantize_seconds_per_element=1e-9)  # 100 Mbit/s between nodes
+FAST = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-4, inter_rate=5e9,
+             quantize_seconds_per_element=2e-9)  # as fast across nodes as inside: quantizing only costs
+
+
+def test_step_traffic_counts_what_the_meter_counts():
+    """Bytes per rank and step at 2 nodes x 4, 1M parameters in fp32 (the meter's accounting: a world collective
+    sends 1/world of its buffer to each peer; hpZ and hybrid gather over the node; qgZ's second hop and the hybrid
+    all-reduce send (nodes - 1) / world of the gradient)."""
+    config = ZeroPPConfig.preset("zero3")
+    topology = Topology.from_config(ZeroPPConfig(node_size=4), 8)
+    p = 1_000_000
+    calls, sent, elements = step_traffic("zero3", config, topology, p, p, units=3)
+    assert calls == {"world": 9} and elements == 0
+    assert sent == pytest.approx({"intra": 12e6 * 3 / 8, "inter": 12e6 * 4 / 8})
+    int8, int4 = 1 + 4 / 256, 0.5 + 4 / 256
+    _, sent, _ = step_traffic("zeropp", config, topology, p, p, units=3)
+    assert sent["inter"] == pytest.approx(p * int8 * 4 / 8 + p * int4 / 8)
+    assert sent["intra"] == pytest.approx(p * int8 * 3 / 8 + 4e6 * 3 / 4 + p * int4 * 3 / 4)
+    _, sent, _ = step_traffic("hybrid", config, topology, p, p, units=3)
+    assert sent == pytest.approx({"intra": 12e6 * 3 / 4, "inter": 2 * 4e6 / 8})
+    _, sent, elements = step_traffic("hybrid-q", config, topology, p, p, units=3)
+    assert sent["inter"] == pytest.approx(2 * p * int4 / 8) and elements == pytest.approx(3 * p / 4)
+    # the ordering the issue's arithmetic gives: hybrid-q sends the fewest bytes across nodes, then ZeRO++
+    inter = {name: step_traffic(name, config, topology, p, p, 3)[1]["inter"] for name in CANDIDATES}
+    assert inter["hybrid-q"] < inter["zeropp"] < inter["hybrid"] < inter["zero3"]
+
+
+def _choose_with(links: Links | None, free_bytes: float | None, node_size: int):
+    """Shard a tiny GPT-2 with preset auto, the probe replaced by ``links`` (None: measure) and the free memory by
+    ``free_bytes``; the chosen config, the comm_stats note, and the losses of 3 steps."""
+    import torch.distributed as dist
+
+    from hf_zeropp import auto, comm_stats, hybrid, shard_model
+    from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
+
+    probe, free = auto.probe_links, hybrid._free_bytes_per_rank
+    if links is not None:
+        auto.probe_links = lambda topology, device: links
+    if free_bytes is not None:
+        hybrid._free_bytes_per_rank = lambda device, ranks: free_bytes
+    try:
+        model = shard_model(tiny_gpt2(seed=0), ZeroPPConfig.preset("auto", node_size=node_size))
+    finally:
+        auto.probe_links, hybrid._free_bytes_per_rank = probe, free
+    state = model._zeropp
+    config = state.config
+    losses = train(model, make_optimizer(model), range(3), size=4 * dist.get_world_size())
+    return {"shard_group": config.shard_group, "hybrid_gradient_bits": config.hybrid_gradient_bits,
+            "quantized_weights": config.quantized_weights, "quantized_gradients": config.quantized_gradients,
+            "note": comm_stats(model)["implementations"].get("auto"), "losses": losses}
+
+
+def _preset_losses(preset: str, node_size: int):
+    import torch.distributed as dist
+
+    from hf_zeropp import shard_model
+    from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
+
+    model = shard_model(tiny_gpt2(seed=0), ZeroPPConfig.preset(preset, node_size=node_size))
+    return train(model, make_optimizer(model), range(3), size=4 * dist.get_world_size())
+
+
+def _auto_launch():
+    return {"slow": _choose_with(SLOW, None, 2), "slow_no_room": _choose_with(SLOW, 1.0, 2),
+            "fast": _choose_with(FAST, None, 2), "measured": _choose_with(None, None, 2),
+            "one_node": _choose_with(None, None, 4),
+            "hybrid-q": _preset_losses("hybrid-q", 2), "zeropp": _preset_losses("zeropp", 2),
+            "zero3": _preset_losses("zero3", 2)}
+
+
+@pytest.fixture(scope="module")
+def auto_runs():
+    return run_distributed(_auto_launch, 4, node_size=2, timeout=600)
+
+
+def test_auto_picks_hybrid_q_on_a_slow_link_and_zeropp_without_room_for_hybrid(auto_runs):
+    slow, no_room = auto_runs[0]["slow"], auto_runs[0]["slow_no_room"]
+    assert (slow["shard_group"], slow["hybrid_gradient_bits"]) == ("node", 4)
+    assert slow["note"][0].startswith("auto: hybrid-q (predicted communication per step: hybrid-q ")
+    assert slow["losses"] == auto_runs[0]["hybrid-q"], "auto trains exactly as the preset it chose"
+    assert no_room["shard_group"] == "world" and no_room["quantized_weights"] and no_room["quantized_gradients"]
+    assert "hybrid left out: the states do not fit a node" in no_room["note"][0]
+    assert no_room["losses"] == auto_runs[0]["zeropp"]
+
+
+def test_auto_keeps_zero3_when_links_are_fast_and_on_one_node(auto_runs):
+    for case in ("fast", "one_node"):
+        chosen = auto_runs[0][case]
+        assert chosen["shard_group"] == "world" and not chosen["quantized_weights"], case
+        assert chosen["note"][0].startswith("auto: zero3"), case
+    assert "a single node" in auto_runs[0]["one_node"]["note"][0]
+    assert auto_runs[0]["fast"]["losses"] == auto_runs[0]["zero3"]
+
+
+def test_the_measured_choice_is_the_same_on_every_rank_and_names_the_links(auto_runs):
+    choices = [(r["measured"]["shard_group"], r["measured"]["hybrid_gradient_bits"],
+                r["measured"]["quantized_weights"]) for r in auto_runs]
+    assert len(set(choices)) == 1
+    note = auto_runs[0]["measured"]["note"][0]
+    assert all(name in note for name in CANDIDATES) and "MB/s" in note and "ms per call" in note
+    assert all(torch.isfinite(torch.tensor(auto_runs[0]["measured"]["losses"])))
+
+
+def _probe_off():
+    import os
+
+    from hf_zeropp import comm_stats, shard_model
+    from hf_zeropp.testing.tiny_models import tiny_gpt2
+
+    os.environ["ZEROPP_AUTO_PROBE"] = "0"
+    model = shard_model(tiny_gpt2(seed=0), ZeroPPConfig.preset("auto", node_size=1))
+    return comm_stats(model)["implementations"]["auto"], model._zeropp.config.shard_group
+
+
+def test_auto_with_the_probe_off_keeps_zero3_and_says_why():
+    note, group = run_distributed(_probe_off, 2, node_size=1)[0]
+    assert group == "world" and note == ["auto: zero3 (the link probe is off: ZEROPP_AUTO_PROBE=0)"]
