@@ -54,15 +54,16 @@ class CommMeter:
         if implementation not in seen:
             seen.append(implementation)
 
-    def record_allreduce(self, group: dist.ProcessGroup, buffer_bytes: int, implementation: str) -> None:
+    def record_allreduce(self, group: dist.ProcessGroup, buffer_bytes: int, implementation: str,
+                         kind: str = "grad_allreduce") -> None:
         """An all-reduce of ``buffer_bytes``: reduce-scatter plus all-gather, ``2 / g`` of the buffer per peer."""
         group_size = dist.get_world_size(group)
         intra_peers, inter_peers = self.topology.peers_on_my_node(group)
-        counter = self._bytes["grad_allreduce"]
+        counter = self._bytes[kind]
         counter["intra_node"] += 2 * buffer_bytes * intra_peers // group_size
         counter["inter_node"] += 2 * buffer_bytes * inter_peers // group_size
         counter["calls"] += 1
-        self.note("grad_allreduce", implementation)
+        self.note(kind, implementation)
 
     def record_error(self, kind: str, original: torch.Tensor, restored: torch.Tensor) -> None:
         """Accumulate the squared error of a quantize/dequantize round trip of this rank's own data."""

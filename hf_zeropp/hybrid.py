@@ -92,7 +92,7 @@ class QuantizedCrossNodeAllReduce:
         self._send_chunks(unit)
         if spans is None or not in_backward():
             # FSDP's layout is not the one expected (or no backward to wait for): finish now, in place
-            self.meter.note("hybrid_allreduce", "synchronous (the unit's gradient layout was not the expected one)")
+            self.meter.note("hybrid_synchronous", "a unit whose gradient layout was not the expected one")
             self._receive_chunks(unit)
             reduce_output.copy_(self._result(unit))
             return
@@ -180,7 +180,8 @@ def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, to
         group = topology.inter_node_group
 
         def metered(reduced: torch.Tensor) -> None:
-            meter.record_allreduce(group, nbytes(reduced), f"hybrid cross-node all-reduce {reduced.dtype} (FSDP2 HSDP)")
+            meter.record_allreduce(group, nbytes(reduced), f"hybrid cross-node all-reduce {reduced.dtype} (FSDP2 HSDP)",
+                                   kind="hybrid_allreduce")
 
         for module in modules:
             module.set_all_reduce_hook(metered)

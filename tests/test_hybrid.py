@@ -112,7 +112,7 @@ def test_hybrid_equals_stock_fsdp2_hsdp(runs):
     stats = hybrid["stats"]
     assert stats["fwd_allgather"]["inter_node"] == stats["bwd_allgather"]["inter_node"] == 0
     assert stats["grad_reduce_scatter"]["inter_node"] == 0
-    assert stats["grad_allreduce"]["inter_node"] > 0, "the cross-node all-reduce must be metered"
+    assert stats["hybrid_allreduce"]["inter_node"] > 0, "the cross-node all-reduce must be metered"
 
 
 def test_hybrid_q_replicas_hold_identical_parameters(runs):
@@ -156,12 +156,12 @@ def test_hybrid_q_sends_no_weights_across_nodes_and_int4_gradients(runs):
     assert cross == quantized["total"]["inter_node"]
     # fp32 gradients -> 4-bit codes + one fp32 scale per 256: 1/8 + 1/256 of the bytes, plus each unit's padding to
     # nodes x 256 elements
-    ratio = cross / full["grad_allreduce"]["inter_node"]
+    ratio = cross / full["hybrid_allreduce"]["inter_node"]
     assert 0.129 <= ratio < 0.129 + 0.02 * nodes, ratio
     description = quantized["implementations"]["hybrid_reduce_scatter"]
     assert description == [f"hybrid cross-node all-reduce: int4 block 256 reduce-scatter + all-gather among {nodes} "
                            f"nodes, asynchronous"]
-    assert "hybrid_allreduce" not in quantized["implementations"], "no unit may fall back to the synchronous path"
+    assert "hybrid_synchronous" not in quantized["implementations"], "no unit may fall back to the synchronous path"
 
 
 def test_hybrid_q_resumes_from_a_checkpoint_exactly(runs):
@@ -225,8 +225,8 @@ def _unused_parameter_launch():
 def test_hybrid_q_unit_with_an_unused_parameter_is_reduced_synchronously_and_averaged_once():
     results = run_distributed(_unused_parameter_launch, 4, node_size=2)
     exact, quantized = results[0]["hybrid"]["grads"], results[0]["hybrid-q"]["grads"]
-    notes = results[0]["hybrid-q"]["implementations"]["hybrid_allreduce"]
-    assert notes == ["synchronous (the unit's gradient layout was not the expected one)"]
+    notes = results[0]["hybrid-q"]["implementations"]["hybrid_synchronous"]
+    assert notes == ["a unit whose gradient layout was not the expected one"]
     error = sum(float((quantized[n] - exact[n]).pow(2).sum()) for n in exact) ** 0.5
     assert error / sum(float(g.pow(2).sum()) for g in exact.values()) ** 0.5 < 0.35
     block = [n for n in exact if n.startswith("transformer.h.1.")]

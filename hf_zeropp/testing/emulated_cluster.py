@@ -18,6 +18,9 @@ collide, and leftovers of dead runs with that prefix are removed at start):
   of that rate. ``--link none`` leaves the links unshaped (veth speed, several Gbit/s).
 * ``--latency DELAY`` adds a one-way delay on every node's uplink with ``netem`` (RTT = 2 x DELAY). This needs
   the kernel's sch_netem; without it the script stops and says so rather than silently run without the delay.
+* ``--loss PERCENT`` drops that share of the packets on every node's uplink (``netem loss``); ``--flap AT,FOR``
+  takes every node's link down at the switch ``AT`` seconds after the launch, for ``FOR`` seconds (a fault test:
+  TCP retransmits, or the collectives time out).
 * The addresses (10.213.0.0/24 by default, ``--subnet``) exist only on the namespaces' own interfaces; nothing
   is routed out of them, so no traffic leaves the machine.
 
@@ -122,6 +125,24 @@ def _kill_leftovers_in(cluster: Cluster, launched_groups: set[int]) -> None:
                     os.kill(pid, signal.SIGKILL)
 
 
+def _flap(text: str) -> tuple[float, float]:
+    try:
+        at, duration = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--flap {text!r}: use AT,FOR in seconds, e.g. 20,5") from None
+    return at, duration
+
+
+def _flap_links(cluster: Cluster, at: float, duration: float, start: float, events: list) -> None:
+    """Links down ``at`` seconds after ``start`` for ``duration`` seconds; each change lands in ``events``."""
+    for when, up in ((at, False), (at + duration, True)):
+        time.sleep(max(0.0, start + when - time.monotonic()))
+        cluster.set_links(up)
+        events.append({"t_s": round(time.monotonic() - start, 3), "links": "up" if up else "down"})
+        print(f"emulated_cluster: links {'up' if up else 'down'} at {events[-1]['t_s']} s", file=sys.stderr,
+              flush=True)
+
+
 def _signal_to_exception(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -143,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                              "default 100mbit")
     parser.add_argument("--latency", type=parse_delay, default=None,
                         help="one-way delay on every node's uplink (tc netem), e.g. 1ms; default none")
+    parser.add_argument("--loss", type=float, default=0.0, help="percent of packets dropped on every uplink (netem)")
+    parser.add_argument("--flap", type=_flap, default=None, metavar="AT,FOR",
+                        help="take the links down AT seconds after the launch for FOR seconds")
     parser.add_argument("--mtu", type=int, default=1500, help="MTU of the veth links; default 1500")
     parser.add_argument("--subnet", type=ipaddress.IPv4Network, default=ipaddress.IPv4Network("10.213.0.0/24"),
                         help="private subnet that exists only inside the namespaces; default 10.213.0.0/24")
@@ -167,13 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"emulated_cluster: {problem}", file=sys.stderr)
         return 2
 
-    cluster = Cluster(args.nodes, args.subnet, args.link, args.latency, args.mtu)
+    cluster = Cluster(args.nodes, args.subnet, args.link, args.latency, args.mtu, args.loss)
     launcher = Launcher()
     previous = {sig: signal.signal(sig, _signal_to_exception) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     report: dict = {
         "nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "link": "none" if args.link is None else
         link_text, "rate_bits_per_s": args.link, "latency_s": args.latency, "mtu": args.mtu,
         "interface": cluster.interface, "header_bytes_per_packet": HEADER_BYTES_PER_PACKET, "command": command,
+        "loss_percent": args.loss, "flap": [],
     }
     status = 1
     try:
@@ -208,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                             "--master_addr", addresses[0], "--master_port", str(args.master_port), *command]
             launcher.start(i, [cluster.ip, "netns", "exec", cluster.namespace(i), *node_cmd], env,
                            prefix_output=not args.no_prefix)
+        if args.flap is not None:
+            threading.Thread(target=_flap_links, args=(cluster, *args.flap, start, report["flap"]), daemon=True).start()
         status = launcher.wait(args.grace)
         report["wall_s"] = time.monotonic() - start
         after = cluster.counters()

@@ -97,6 +97,7 @@ class Cluster:
     rate_bits: int | None
     delay_s: float | None
     mtu: int
+    loss_percent: float = 0.0  # packets netem drops on every node's uplink
     prefix: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
     ip: str = field(default_factory=lambda: find_tool("ip") or "ip")
     tc: str = field(default_factory=lambda: find_tool("tc") or "tc")
@@ -148,13 +149,15 @@ class Cluster:
 
     def _shape(self, namespace: str, device: str, delay: bool) -> None:
         parent = ["root"]
-        if delay and self.delay_s:
-            proc = self.ns(namespace, self.tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", "delay",
-                           f"{self.delay_s * 1e6:.0f}us", "limit", "100000", check=False)
+        if delay and (self.delay_s or self.loss_percent):
+            netem = [*(["delay", f"{self.delay_s * 1e6:.0f}us"] if self.delay_s else []),
+                     *(["loss", f"{self.loss_percent:g}%"] if self.loss_percent else [])]
+            proc = self.ns(namespace, self.tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", *netem,
+                           "limit", "100000", check=False)
             if proc.returncode != 0:
                 raise SetupError(
-                    f"--latency needs the kernel's netem qdisc (sch_netem), which this kernel does not offer "
-                    f"({proc.stderr.strip()}); run with --latency none, or on a kernel with sch_netem")
+                    f"--latency and --loss need the kernel's netem qdisc (sch_netem), which this kernel does not offer "
+                    f"({proc.stderr.strip()}); run without them, or on a kernel with sch_netem")
             parent = ["parent", "1:"]
         if self.rate_bits is None:
             return
@@ -165,6 +168,12 @@ class Cluster:
         limit = int(max(rate_bytes * 0.05, 2 * burst))
         self.ns(namespace, self.tc, "qdisc", "add", "dev", device, *parent, "handle", "10:", "tbf", "rate",
                 str(self.rate_bits), "burst", str(burst), "limit", str(limit))
+
+    def set_links(self, up: bool) -> None:
+        """Every node's link up or down at the switch (a flap of the fabric between nodes; traffic inside a node
+        never crosses it)."""
+        for i in range(self.nodes):
+            self._run(self.ip, "-n", self.switch, "link", "set", f"p{i}", "up" if up else "down")
 
     def _wait_reachable(self) -> None:
         """The bridge forwards after its ports come up; give it a moment (no ping needed: check operstate)."""

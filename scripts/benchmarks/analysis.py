@@ -135,4 +135,23 @@ def targets(links: dict) -> list[dict]:
             ratio = slow["ZeRO-3"]["median_step_s"] / slow[name]["median_step_s"]
             out.append({"target": f"{name} faster than ZeRO-3 at 100 Mbit/s", "value": f"{ratio:.2f}x",
                         "met": ratio > 1.0})
+    for peer, factor in (("ZeRO++", 1.5), ("FSDP2", 5.0)):
+        if "hybrid-q" in slow and peer in slow:
+            ratio = slow[peer]["median_step_s"] / slow["hybrid-q"]["median_step_s"]
+            out.append({"target": f"hybrid-q >= {factor:g}x faster per step than {peer} at 100 Mbit/s",
+                        "value": f"{ratio:.2f}x", "met": ratio >= factor})
+    for link, result in links.items():
+        rows = result.get("rows", {})
+        if "auto" not in rows:
+            continue
+        fixed = {name: rows[name]["median_step_s"] for name in ("ZeRO-3", "ZeRO++", "hybrid", "hybrid-q")
+                 if name in rows}
+        best = min(fixed, key=fixed.get)
+        over = rows["auto"]["median_step_s"] / fixed[best] - 1
+        out.append({"target": f"auto within 5 % of the best fixed configuration at {link} ({best})",
+                    "value": f"{over * 100:+.1f} %", "met": over <= 0.05})
+        if "ZeRO-3" in fixed:
+            slower = rows["auto"]["median_step_s"] / fixed["ZeRO-3"] - 1
+            out.append({"target": f"auto never slower than ZeRO-3 at {link}", "value": f"{slower * 100:+.1f} %",
+                        "met": slower <= 0.0})
     return out

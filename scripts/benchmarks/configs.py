@@ -10,5 +10,8 @@ CONFIGS: dict[str, dict | None] = {
     "+qgZ": {"stage": 3, "quantized_gradients": True},
     "ZeRO++": {"preset": "zeropp"},
     "ZeRO++ ref": {"preset": "zeropp", "kernel_backend": "reference"},
+    "hybrid": {"preset": "hybrid"},
+    "hybrid-q": {"preset": "hybrid-q"},
+    "auto": {"preset": "auto"},
 }
 LINKS = ("100mbit", "300mbit", "1gbit", "3gbit", "none")

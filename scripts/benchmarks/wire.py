@@ -14,7 +14,8 @@ from pathlib import Path
 from hf_zeropp.comm_meter import gloo_reduce_scatter_as_all_to_all
 
 KINDS = ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter", "grad_allreduce", "qgz_intra", "qgz_inter",
-         "qgz_1d_full_precision", "torch_reduce_scatter")
+         "qgz_1d_full_precision", "torch_reduce_scatter", "hybrid_allreduce", "hybrid_reduce_scatter",
+         "hybrid_all_gather")
 HEADER_BYTES = 66
 
 
@@ -34,6 +35,10 @@ def wire_factors(world: int, node_size: int) -> dict[str, float]:
         "qgz_inter": 1.0,                   # pairwise all-to-all among one rank per node
         "qgz_1d_full_precision": plain_reduce_scatter,  # qgZ's plain reduce-scatter of 1-D parameters
         "torch_reduce_scatter": 2 * ring,   # torch's gloo reduce-scatter (the stock peer) = ring all-reduce
+        # hybrid sharding: collectives among one rank per node, every peer on another node (ring or pairwise)
+        "hybrid_allreduce": 1.0,
+        "hybrid_reduce_scatter": 1.0,
+        "hybrid_all_gather": 1.0,
     }
 
 
