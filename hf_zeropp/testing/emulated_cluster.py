@@ -18,9 +18,10 @@ collide, and leftovers of dead runs with that prefix are removed at start):
   of that rate. ``--link none`` leaves the links unshaped (veth speed, several Gbit/s).
 * ``--latency DELAY`` adds a one-way delay on every node's uplink with ``netem`` (RTT = 2 x DELAY). This needs
   the kernel's sch_netem; without it the script stops and says so rather than silently run without the delay.
-* ``--loss PERCENT`` drops that share of the packets on every node's uplink (``netem loss``); ``--flap AT,FOR``
-  takes every node's link down at the switch ``AT`` seconds after the launch, for ``FOR`` seconds (a fault test:
-  TCP retransmits, or the collectives time out).
+* Faults: ``--loss PERCENT`` drops that share of the packets on every node's uplink (``netem loss``, where the
+  kernel has sch_netem; the qdiscs' drops are counted per node in the report); ``--flap AT,FOR`` takes every
+  node's link down at the switch ``AT`` seconds after the launch, for ``FOR`` seconds. TCP retransmits, or the
+  collectives time out.
 * The addresses (10.213.0.0/24 by default, ``--subnet``) exist only on the namespaces' own interfaces; nothing
   is routed out of them, so no traffic leaves the machine.
 
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             {"node": i, "namespace": cluster.namespace(i), "address": addresses[i], "before": before[i],
              "after": after[i], "delta": delta(before[i], after[i])} for i in range(args.nodes)]
         report["returncode"] = status
+        report["drops"] = cluster.drops()
         for entry in report["per_node"]:
             d = entry["delta"]
             print(f"emulated_cluster: node {entry['node']} {cluster.interface}: sent {d['tx_bytes']} B "

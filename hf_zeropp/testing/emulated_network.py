@@ -65,6 +65,21 @@ def namespaces_problem() -> str | None:
     return None
 
 
+def netem_problem() -> str | None:
+    """Why packet loss and delay cannot be emulated here (the kernel lacks sch_netem, or no namespaces), or None."""
+    problem = namespaces_problem()
+    if problem:
+        return problem
+    probe, ip, tc = f"{PREFIX}{os.getpid()}-n0", find_tool("ip"), find_tool("tc")
+    subprocess.run([ip, "netns", "add", probe], capture_output=True)
+    try:
+        added = subprocess.run([ip, "netns", "exec", probe, tc, "qdisc", "add", "dev", "lo", "root", "netem",
+                                "loss", "1%"], capture_output=True, text=True)
+    finally:
+        subprocess.run([ip, "netns", "del", probe], capture_output=True)
+    return None if added.returncode == 0 else f"this kernel has no netem qdisc (sch_netem): {added.stderr.strip()}"
+
+
 def parse_rate(text: str) -> int | None:
     """``100mbit`` -> 100_000_000 bits/s; ``none`` -> None. Accepts tc's bit units (kbit, mbit, gbit, bit)."""
     if text.lower() in ("none", "off", "unshaped", "0"):
@@ -201,6 +216,15 @@ class Cluster:
             result.append({"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
                            "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"]})
         return result
+
+    def drops(self) -> list[dict[str, int]]:
+        """Per node, packets its link's queues have dropped so far (uplink at the node, downlink at the switch)."""
+        def dropped(namespace: str, device: str) -> int:
+            shown = self.ns(namespace, self.tc, "-s", "-j", "qdisc", "show", "dev", device, check=False).stdout
+            return sum(q.get("drops", 0) for q in json.loads(shown or "[]"))
+
+        return [{"uplink": dropped(self.namespace(i), self.interface), "downlink": dropped(self.switch, f"p{i}")}
+                for i in range(self.nodes)]
 
     def qdiscs(self) -> dict[str, str]:
         out = {}

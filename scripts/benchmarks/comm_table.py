@@ -9,8 +9,9 @@ M) on processes that emulate ``world / node_size`` nodes.
 to other nodes per collective as a fraction of ZeRO-3's — the ZeRO++ paper's Table 1, whose theory is forward
 1 → 0.5 (qwZ), backward 1 → 0 (hpZ), gradients 1 → 0.25 (qgZ), total 3 → 0.75 (0.25x).
 
-``--configs stages``: ZeRO stages 0-3; prints per-rank parameter, gradient and optimizer-state bytes at rest, the
-gathered weights held after forward, and the bytes sent per step, beside the ZeRO formulas.
+``--configs stages``: ZeRO stages 0-3 and hybrid sharding; prints per-rank parameter, gradient and optimizer-state
+bytes at rest, the gathered weights held after forward, and the bytes sent per step, beside the ZeRO formulas
+(hybrid: the states divided by the ranks of a node).
 
 ``--configs qgz-options``: ZeRO++ all on, plain and with each qgZ accuracy option (Hadamard rotation,
 stochastic rounding, 8-bit intra-node hop, inter-node error feedback, the best combination): bytes per step inside
@@ -33,7 +34,15 @@ STAGE_CONFIGS = {
     "stage 1": {"stage": 1},
     "stage 2": {"stage": 2},
     "stage 3": {"stage": 3},
+    "hybrid (stage 3 in the node)": {"stage": 3, "shard_group": "node"},
+    "hybrid-q": {"stage": 3, "shard_group": "node", "hybrid_gradient_bits": 4},
 }
+# per configuration of STAGE_CONFIGS: the states ZeRO shards, and over how many ranks ("node": the ranks of a node)
+SHARDED = {"stage 0 (DDP)": ((), "world"), "stage 1": (("optimizer_state",), "world"),
+           "stage 2": (("optimizer_state", "gradients"), "world"),
+           "stage 3": (("optimizer_state", "gradients", "parameters"), "world"),
+           "hybrid (stage 3 in the node)": (("optimizer_state", "gradients", "parameters"), "node"),
+           "hybrid-q": (("optimizer_state", "gradients", "parameters"), "node")}
 ZEROPP = {"quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True}
 ZEROPP_CONFIGS = {
     "ZeRO-3": {},
@@ -141,18 +150,19 @@ def options_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def memory_table(results: dict, world: int) -> str:
-    """Per-rank state beside the ZeRO formulas (fp32 master weights/gradients, Adam's two fp32 moments)."""
+def memory_table(results: dict, world: int, node_size: int) -> str:
+    """Per-rank state beside the ZeRO formulas (fp32 master weights/gradients, Adam's two fp32 moments), each state
+    divided by the ranks it is sharded over (hybrid: the ranks of a node)."""
     params = next(iter(results.values()))["params"]
     full = {"parameters": 4 * params, "gradients": 4 * params, "optimizer_state": 8 * params}
-    shards = {0: (), 1: ("optimizer_state",), 2: ("optimizer_state", "gradients"),
-              3: ("optimizer_state", "gradients", "parameters")}
     lines = ["| configuration | parameters | gradients | optimizer state | ZeRO formula (p / g / os) | "
              "gathered weights after forward | sent per step (intra / inter) |",
              "|---|---:|---:|---:|---|---:|---|"]
-    for index, (name, result) in enumerate(results.items()):
+    for name, result in results.items():
         state, stats = result["state"], result["stats"]["total"]
-        formula = " / ".join(f"{full[k] / (world if k in shards[index] else 1) / 1e6:.2f}"
+        sharded, over = SHARDED[name]
+        ranks = world if over == "world" else node_size
+        formula = " / ".join(f"{full[k] / (ranks if k in sharded else 1) / 1e6:.2f}"
                              for k in ("parameters", "gradients", "optimizer_state"))
         lines.append(f"| {name} | {state['parameters'] / 1e6:.2f} MB | {state['gradients'] / 1e6:.2f} MB | "
                      f"{state['optimizer_state'] / 1e6:.2f} MB | {formula} MB | {result['gathered'] / 1e6:.2f} MB | "
@@ -206,7 +216,7 @@ def main() -> None:
             print("bytes sent to other nodes (fraction of ZeRO-3's per column):\n")
             print(table(results))
         else:
-            print(memory_table(results, args.world))
+            print(memory_table(results, args.world, args.node_size))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)
