@@ -1,8 +1,9 @@
 """``zeropp: auto`` (``shard_group: auto``): measure the links when sharding starts and choose ZeRO-3, ZeRO++,
 hybrid or hybrid-q for this model on this cluster.
 
-The probe (about a second) times an all-to-all inside the node and one across nodes, each at two sizes (the
-per-call latency and the bytes per second each rank sends), and the quantization kernels. Every rank measures; the
+The probe (about a second) times an all-to-all inside the node and one across nodes, at a small size (the per-call
+latency) and at sizes growing until one exchange takes 50 ms (the bytes per second each rank sends), and the
+quantization kernels. Every rank measures; the
 slowest rank's numbers count, and rank 0 decides and broadcasts, so every rank shards the same way. The model then
 predicts each candidate's communication time per step from the bytes each rank sends inside and across nodes (the
 counts :func:`hf_zeropp.comm_stats` reports, derived from the parameter count), the number of collective calls, and
@@ -31,7 +32,9 @@ from .topology import Topology
 CANDIDATES = ("zero3", "zeropp", "hybrid", "hybrid-q")
 MARGIN = 0.05  # ZeRO-3 gives way only to a candidate predicted at least 5 % faster
 PROBE_ENV = "ZEROPP_AUTO_PROBE"  # "0" turns the probe off: auto then keeps ZeRO-3 and says why
-_SMALL, _LARGE = 1 << 10, 1 << 18  # bytes each rank sends to each peer in the probe's two sizes
+# bytes each rank sends to each peer: the latency's message, the first and the largest rate message; the rate
+# message grows until one exchange takes _LONG seconds
+_SMALL, _MEDIUM, _LARGE, _LONG = 1 << 10, 1 << 16, 1 << 24, 0.05
 _DTYPE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2}
 _INT8, _INT4 = 1 + 4 / 256, 0.5 + 4 / 256  # bytes per element with one fp32 scale per 256
 
@@ -56,18 +59,27 @@ class Links:
 
 
 def probe_links(topology: Topology, device: torch.device) -> Links:
-    """Time the node's and the cross-node group's all-to-all at two sizes and the kernels; the slowest rank's."""
+    """Time the node's and the cross-node group's all-to-all and the kernels; the slowest rank's numbers.
+
+    The latency is the time of a 1 KiB exchange. The rate comes from the largest message that still takes less than
+    ``_LONG`` seconds (growing fourfold from 64 KiB up to ``_LARGE``; the slowest rank decides when to stop, so all
+    ranks exchange the same sizes): small messages would show the per-call cost, not the link's rate."""
     measured = []
     for group in (topology.intra_node_group, topology.inter_node_group):
         peers = dist.get_world_size(group)
         small = _time(lambda: _all_to_all(group, peers, _SMALL, device))
-        large = _time(lambda: _all_to_all(group, peers, _LARGE, device))
-        sent = (peers - 1) * (_LARGE - _SMALL)
-        measured += [small, sent / max(large - small, 1e-9)]
+        size = _MEDIUM
+        while True:
+            large = _slowest(_time(lambda: _all_to_all(group, peers, size, device)), device)
+            if large >= _LONG or size >= _LARGE:
+                break
+            size *= 4
+        measured += [small, (peers - 1) * (size - _SMALL) / max(large - small, 1e-9)]
     values = torch.randn(1 << 18, device=device)
     quantize = _time(lambda: kernels.dequantize(*kernels.quantize(values, 4, 256), bits=4, block_size=256))
     # the slowest rank's latency and kernel time, its lowest rate: rates travel as their inverse
-    times = torch.tensor([measured[0], 1 / measured[1], measured[2], 1 / measured[3], quantize], dtype=torch.float64)
+    times = torch.tensor([measured[0], 1 / measured[1], measured[2], 1 / measured[3], quantize], dtype=torch.float64,
+                         device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return Links(float(times[0]), 1 / float(times[1]), float(times[2]), 1 / float(times[3]),
                  float(times[4]) / values.numel())
@@ -78,6 +90,13 @@ def _all_to_all(group: dist.ProcessGroup, peers: int, per_peer: int, device: tor
     dist.all_to_all_single(torch.empty_like(data), data, group=group)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's ``seconds`` (a world all-reduce), so every rank takes the same decision."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
 
 
 def _time(run, repeats: int = 3) -> float:
@@ -109,8 +128,8 @@ def step_traffic(name: str, config: ZeroPPConfig, topology: Topology, parameters
     intra = node_data * (d - 1) / d
     if name == "hybrid":
         return {"intra": 3 * units, "inter": units}, {"intra": intra, "inter": 2 * trainable * g * (n - 1) / world}, 0.0
-    return ({"intra": 3 * units, "inter": 2 * units}, {"intra": intra, "inter": 2 * trainable * _INT4 * (n - 1) / world},
-            3.0 * trainable / d)
+    inter = 2 * trainable * _INT4 * (n - 1) / world
+    return {"intra": 3 * units, "inter": 2 * units}, {"intra": intra, "inter": inter}, 3.0 * trainable / d
 
 
 def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
