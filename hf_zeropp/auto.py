@@ -4,11 +4,12 @@ hybrid or hybrid-q for this model on this cluster.
 The probe (about a second) times an all-to-all inside the node and one across nodes, at a small size (the per-call
 latency) and at sizes growing until one exchange takes 50 ms (the bytes per second each rank sends), and the
 quantization kernels. Every rank measures; the slowest rank's numbers count, and rank 0 decides and broadcasts, so
-every rank shards the same way. The model then predicts each candidate's communication time per step from the bytes each rank sends inside and across nodes (the
-counts :func:`hf_zeropp.comm_stats` reports, derived from the parameter count), the number of collective calls, and
-the kernel time of its quantization. Compute is the same for every candidate, so it drops out of the comparison.
-ZeRO-3 is kept unless another candidate is predicted at least ``MARGIN`` faster; hybrid is a candidate only when
-the model's states divided by the ranks of a node fit the memory free per rank.
+every rank shards the same way. The model then predicts each candidate's communication time per step from the
+bytes each rank sends inside and across nodes (the counts :func:`hf_zeropp.comm_stats` reports, derived from the
+parameter count), the number of collective calls, and the kernel time of its quantization. Compute is the same for
+every candidate, so it drops out of the comparison. ZeRO-3 is kept unless another candidate is predicted at least
+``MARGIN`` faster; hybrid is a candidate only when the model's states divided by the ranks of a node fit the
+memory free per rank.
 """
 
 from __future__ import annotations
