@@ -38,6 +38,7 @@ from typing import Any
 import accelerate
 import accelerate.accelerator
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from .accelerate_integration import Accelerator
@@ -209,4 +210,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    record(main)()  # torchrun keeps the failing rank's traceback: the launcher prints the first one last

@@ -266,6 +266,28 @@ def _worker_entry(args: argparse.Namespace) -> dict[str, str]:
             RESTORE_ENVIRONMENT: json.dumps(restore)}
 
 
+def _first_failure(error: Exception) -> str:
+    """The traceback of the rank that failed first (torchrun's record of it; the workers run under ``record``), so
+    that the cause is the last thing on the screen, below every other rank's timeouts and torchrun's summary."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return f"hf-zeropp launch: the workers failed ({type(error).__name__}: {error})"
+    # torchrun's own "first failure" compares timestamps in whole seconds; the error files' times are finer
+    rank, failure = min(failures.items(), key=lambda item: (_written_at(item[1].error_file), item[0]))
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
+    cause = str(message).strip() or f"no traceback recorded (signal or exit code {failure.exitcode}); see above"
+    return f"hf-zeropp launch: the workers failed; rank {rank} failed first (exit code {failure.exitcode}):\n{cause}"
+
+
+def _written_at(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime_ns
+    except (OSError, TypeError):
+        return float("inf")  # no error file: killed by a signal, or a failure after the first
+
+
 def _run_accelerate(args: argparse.Namespace, environment: dict[str, str]) -> int:
     from accelerate.commands.launch import launch_command
 
@@ -275,9 +297,8 @@ def _run_accelerate(args: argparse.Namespace, environment: dict[str, str]) -> in
         launch_command(args)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 1
-    except Exception as error:  # a worker failed: torchrun has printed its summary and the worker its traceback
-        print(f"hf-zeropp launch: the workers failed ({type(error).__name__}); their tracebacks are above",
-              file=sys.stderr)
+    except Exception as error:  # a worker failed: torchrun has printed its summary and the workers their tracebacks
+        print(_first_failure(error), file=sys.stderr)
         return 1
     finally:
         for name, value in saved.items():
