@@ -22,7 +22,7 @@ gradients are set to the cross-node mean, each value divided by the world size o
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,6 @@ STATE_BYTES_PER_PARAMETER = 16
 class _Unit:
     """One FSDP unit's cross-node all-reduce in flight."""
 
-    module: nn.Module
     partial: torch.Tensor  # this node's sum, fp32, as the hook received it
     spans: list[tuple[nn.Parameter, int, int]]
     accumulated: list[torch.Tensor | None]  # the gradients the parameters held before this backward (accumulation)
@@ -53,7 +52,6 @@ class _Unit:
     arrived: torch.Tensor | None = None
     hop2: dist.Work | None = None
     gathered: torch.Tensor | None = None
-    seeds: list[int] = field(default_factory=list)
 
 
 class QuantizedCrossNodeAllReduce:
@@ -88,7 +86,7 @@ class QuantizedCrossNodeAllReduce:
         chunk = -(-partial.numel() // (topo.nodes * self.block_size)) * self.block_size
         rows = partial.new_zeros(topo.nodes, chunk)
         rows.view(-1)[:partial.numel()] = partial
-        unit = _Unit(module, partial, spans or [], [], rows)
+        unit = _Unit(partial, spans or [], [], rows)
         self._send_chunks(unit)
         if spans is None or not in_backward():
             # FSDP's layout is not the one expected (or no backward to wait for): finish now, in place
