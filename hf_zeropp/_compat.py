@@ -49,10 +49,13 @@ UPSTREAM: dict[str, str] = {
     "local_tensor": "torch.distributed.tensor.DTensor._local_tensor",
     "no_split_modules": "transformers.PreTrainedModel._no_split_modules",
     "run_init_with_hooks": "transformers.PreTrainedModel._initialize_weights (+ initialize_weights)",
+    "init_non_persistent_buffers": "transformers.PreTrainedModel._init_weights",
+    "consolidate_safetensors_on_every_rank": "torch.distributed.checkpoint._consolidate_hf_safetensors"
+                                             ".consolidate_safetensors_files_on_every_rank",
     "trainer_accelerator_class": "transformers.trainer.Accelerator (looked up by "
                                  "Trainer.create_accelerator_and_postprocess)",
     "TrainerHooks": "transformers.Trainer._move_model_to_device, ._save_optimizer_and_scheduler, "
-                    "._load_optimizer_and_scheduler",
+                    "._load_optimizer_and_scheduler, ._load_from_checkpoint, ._load_best_model",
     "trainer_save": "transformers.Trainer._save",
     "extend_valid_dict_fields": "transformers.TrainingArguments._VALID_DICT_FIELDS",
     "is_accelerate_prepared": "accelerate: the _is_accelerate_prepared flag Accelerator.prepare sets",
@@ -294,6 +297,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+# checked: torch 2.13
+def consolidate_safetensors_on_every_rank(input_dir: str, output_dir: str, file_of: dict[str, int],
+                                          group: dist.ProcessGroup | None) -> None:
+    """torch's consolidation of DCP-written safetensors shards into whole-tensor files, each rank writing the
+    output files whose index is its rank modulo the group size (collective)."""
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+
+    consolidate_safetensors_files_on_every_rank(input_dir, output_dir, file_of, process_group=group)
+
+
 # ---------------------------------------------------------------- transformers (checked on 4.56.1 - 5.23)
 
 # checked: transformers 4.56.1 - 5.23
@@ -346,10 +359,11 @@ def trainer_accelerator_class(factory: Callable[..., Any]) -> Iterator[None]:
 # checked: transformers 4.56.1 - 5.23; TRL 0.23 - 1.16 (SFT/DPO/GRPO trainers inherit these or, GRPOTrainer's
 # _load_optimizer_and_scheduler in 1.16, override them with the same signature)
 class TrainerHooks:
-    """Overrides of three private ``transformers.Trainer`` methods, each handed to an hf_zeropp-named method with
+    """Overrides of five private ``transformers.Trainer`` methods, each handed to an hf_zeropp-named method with
     the next class's implementation: ``_move_model_to_device`` -> ``_zeropp_move_model_to_device``,
     ``_save_optimizer_and_scheduler`` -> ``_zeropp_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``
-    -> ``_zeropp_load_optimizer_and_scheduler``. Put it right before the Trainer class in the bases."""
+    -> ``_zeropp_load_optimizer_and_scheduler``, ``_load_from_checkpoint`` -> ``_zeropp_load_from_checkpoint``,
+    ``_load_best_model`` -> ``_zeropp_load_best_model``. Put it right before the Trainer class in the bases."""
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         return self._zeropp_move_model_to_device(model, device, super()._move_model_to_device)
@@ -360,11 +374,45 @@ class TrainerHooks:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         return self._zeropp_load_optimizer_and_scheduler(checkpoint, super()._load_optimizer_and_scheduler)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        return self._zeropp_load_from_checkpoint(resume_from_checkpoint, model, super()._load_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        return self._zeropp_load_best_model(super()._load_best_model)
+
 
 # checked: transformers 4.56.1 - 5.23
 def trainer_save(trainer: Any, output_dir: str, state_dict: dict[str, Any]) -> None:
     """``Trainer._save(output_dir, state_dict=...)``: writes the model (on rank 0 only), tokenizer and args."""
     trainer._save(output_dir, state_dict=state_dict)
+
+
+# checked: transformers 5.23 (older versions leave the buffers unset; callers fall back)
+def init_non_persistent_buffers(model: nn.Module) -> list[str]:
+    """Give the non-persistent buffers that are on the meta device (a model loaded with ``device_map="meta"``)
+    real values on the CPU, computed by transformers' per-module ``_init_weights`` of the sub-model that owns them
+    (rotary frequencies); returns the names it left unset."""
+    from transformers import PreTrainedModel
+
+    unset = []
+
+    def visit(module: nn.Module, owner: PreTrainedModel | None, prefix: str) -> None:
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        names = [name for name in getattr(module, "_non_persistent_buffers_set", ())
+                 if module._buffers.get(name) is not None and module._buffers[name].is_meta]
+        if names:
+            for name in names:
+                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+            versions = {name: module._buffers[name]._version for name in names}
+            if owner is not None:
+                with torch.no_grad():
+                    owner._init_weights(module)
+            unset.extend(prefix + name for name in names if module._buffers[name]._version == versions[name])
+        for child_name, child in module.named_children():
+            visit(child, owner, f"{prefix}{child_name}.")
+
+    visit(model, None, "")
+    return unset
 
 
 # checked: transformers 4.56.1 - 5.23

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .full_state import consolidated_state_dict
+from .hf_checkpoint import write_pretrained, writes_per_rank
 from .hpz import reshard_all
 
 META_FILE = "zeropp_meta.json"
@@ -279,16 +280,22 @@ def latest_trainer_checkpoint(output_dir: str | os.PathLike, prefix: str = "chec
 
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: Any) -> Path:
-    """Consolidate the sharded model and write a ``from_pretrained``-loadable folder, atomically (collective).
+    """Write the sharded model as a ``from_pretrained``-loadable folder, atomically (collective).
 
-    Rank 0 writes safetensors through the model's own ``save_pretrained``, so tied weights, sharded index files
-    and the config are exactly what transformers writes; the folder loads without hf_zeropp installed.
+    Every rank writes its own slices and a share of the standard safetensors files
+    (:func:`hf_zeropp.hf_checkpoint.write_pretrained`); no rank gathers the model. The folder loads without
+    hf_zeropp installed. Other models (and arguments the per-rank writer does not take) are consolidated on rank 0
+    and written by the model's own ``save_pretrained``.
     """
     directory = Path(directory)
     zeropp = getattr(model, "_zeropp", None)
-    full_state = consolidated_state_dict(model, zeropp.topology.control_group if zeropp is not None else None)
+    control_group = zeropp.topology.control_group if zeropp is not None else None
+    per_rank = zeropp is not None and writes_per_rank(model, kwargs)
+    full_state = {} if per_rank else consolidated_state_dict(model, control_group)
     partial = _begin(directory)
-    if _rank() == 0:
+    if per_rank:
+        write_pretrained(model, partial, kwargs.get("max_shard_size", "50GB"), control_group)
+    elif _rank() == 0:
         if not hasattr(model, "save_pretrained"):
             torch.save(full_state, partial / "pytorch_model.bin")
         else:

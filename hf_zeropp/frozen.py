@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,13 @@ class FrozenInt8Weight:
     """One frozen weight: this rank's INT8 shard (and hpZ slice), gathered and dequantized on use."""
 
     def __init__(self, weight: torch.Tensor, topology: Topology, meter: CommMeter, bits: int,
-                 block_size: int, compute_dtype: torch.dtype, backend: kernels.Backend | None = None) -> None:
-        self.shape, self.dtype, self.numel, self.device = weight.shape, weight.dtype, weight.numel(), weight.device
+                 block_size: int, compute_dtype: torch.dtype, backend: kernels.Backend | None = None,
+                 device: torch.device | None = None) -> None:
+        """``weight`` gives shape and dtype; its values are quantized unless it is on the meta device (then
+        :meth:`load_own_part_` must follow, with the values of :meth:`own_range`). ``device``: where the codes
+        live (default: the weight's)."""
+        self.shape, self.dtype, self.numel = weight.shape, weight.dtype, weight.numel()
+        self.device = device if device is not None else weight.device
         self.topology, self.meter, self.bits, self.block_size = topology, meter, bits, block_size
         self.compute_dtype, self.backend = compute_dtype, backend
         self.shard_numel = -(-self.numel // topology.world_size)
@@ -48,22 +53,43 @@ class FrozenInt8Weight:
             self._position, self._parts = topology.rank, topology.world_size
         self.uses_hpz = hpz is not None
         self._held: dict[torch.dtype, torch.Tensor] | None = None  # dequantized weights kept while held, by dtype
-        self.load_(weight)
+        if not weight.is_meta:
+            self.load_(weight)
+
+    def own_range(self) -> tuple[int, int]:
+        """The elements of the flattened weight this rank stores, ``[start, stop)``; ``stop`` may pass the end (the
+        padding of the last shards)."""
+        length = self.shard_numel * (self.topology.world_size // self._parts)
+        return self._position * length, (self._position + 1) * length
 
     def load_(self, weight: torch.Tensor) -> None:
         """Quantize this rank's part from the full ``weight`` (the same tensor on every rank; no communication)."""
         if tuple(weight.shape) != tuple(self.shape):
             raise ValueError(f"a frozen INT8 weight of shape {tuple(self.shape)} cannot load a tensor of shape "
                              f"{tuple(weight.shape)}")
-        world = self.topology.world_size
-        rows = torch.zeros(world * self.shard_numel, dtype=self.dtype, device=self.device)
-        rows[: self.numel] = weight.detach().reshape(-1).to(rows.device, self.dtype)
-        codes, scales = kernels.quantize(rows.view(world, self.shard_numel), self.bits, self.block_size,
-                                         backend=self.backend)
+        codes, scales = self._quantize_rows(weight.detach().reshape(-1), self.topology.world_size)
         self.codes = codes.view(self._parts, -1)[self._position].clone()
         self.scales = scales.view(self._parts, -1)[self._position].clone()
         if self._held is not None:  # the held copy is stale; every rank has the codes a gather would return
             self._held = {self.compute_dtype: self._dequantize(codes, scales, self.compute_dtype)}
+
+    def load_own_part_(self, values: torch.Tensor) -> None:
+        """Quantize this rank's part from just its elements (:meth:`own_range`, cut at the weight's end): blocks
+        never cross a shard, so the codes equal those :meth:`load_` gives from the full weight."""
+        start, stop = self.own_range()
+        if values.numel() != max(0, min(stop, self.numel) - start):
+            raise ValueError(f"a frozen INT8 weight's part [{start}, {min(stop, self.numel)}) cannot load "
+                             f"{values.numel()} values")
+        codes, scales = self._quantize_rows(values.reshape(-1), (stop - start) // self.shard_numel)
+        self.codes, self.scales = codes.reshape(-1), scales.reshape(-1)
+        self._held = None
+
+    def _quantize_rows(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``flat`` padded with zeros to ``rows`` shards, each quantized in blocks of its own."""
+        padded = torch.zeros(rows * self.shard_numel, dtype=self.dtype, device=self.device)
+        padded[: flat.numel()] = flat.to(padded.device, self.dtype)
+        return kernels.quantize(padded.view(rows, self.shard_numel), self.bits, self.block_size,
+                                backend=self.backend)
 
     def stored_bytes(self) -> int:
         return nbytes(self.codes) + nbytes(self.scales)
@@ -175,16 +201,15 @@ def _forward_for(module: nn.Module):
 
 
 def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMeter, bits: int, block_size: int,
-                            compute_dtype: torch.dtype,
-                            values: Callable[[torch.Tensor], torch.Tensor] = lambda weight: weight,
+                            compute_dtype: torch.dtype, source: FrozenWeightSource | None = None,
                             backend: kernels.Backend | None = None) -> dict[str, FrozenInt8Weight]:
     """Replace every frozen floating weight of a Linear/Conv1D/Embedding by INT8 shards; returns them by name.
 
     Tied weights (one Parameter used by several modules) share one store. Non-floating frozen tensors, frozen
     parameters of other modules (LayerNorm) and the output head (with the embedding tied to it) stay as they are:
     the head's precision matters most for the logits, and RL trainers (TRL's fused log-prob head) read its
-    ``weight`` directly. ``values(weight)`` gives a weight's real values (a model on the meta device gets them from
-    rank 0, one weight at a time); they are quantized as they arrive and not kept.
+    ``weight`` directly. ``source`` gives a weight's real values when the model holds none (on the meta device):
+    each rank's own part, read as it is quantized and not kept.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kept = {id(head.weight)} if isinstance(getattr(head, "weight", None), torch.Tensor) else set()
@@ -195,20 +220,34 @@ def quantize_frozen_weights(model: nn.Module, topology: Topology, meter: CommMet
         weight = module._parameters.get("weight") if forward is not None else None
         if weight is None or weight.requires_grad or not weight.is_floating_point() or id(weight) in kept:
             continue
+        key = f"{name}.weight" if name else "weight"
         store = stores.get(id(weight))
         if store is None:
-            store = stores[id(weight)] = FrozenInt8Weight(values(weight), topology, meter, bits, block_size,
-                                                                compute_dtype or weight.dtype, backend)
+            shape_only = weight if source is None else weight.to("meta")
+            store = stores[id(weight)] = FrozenInt8Weight(shape_only, topology, meter, bits, block_size,
+                                                          compute_dtype or weight.dtype, backend,
+                                                          device=source.device if source is not None else None)
+            if source is not None:
+                source.fill(key, store)
         del module._parameters["weight"]
         # a shape/dtype-only stand-in, for code (peft, generation utilities) that inspects `.weight`
         module.weight = torch.empty(store.shape, dtype=weight.dtype, device="meta")
         module._zeropp_frozen = store
         module.forward = types.MethodType(forward, module)
-        converted[f"{name}.weight" if name else "weight"] = store
+        converted[key] = store
     if not converted:
         warnings.warn("quantized_nontrainable_weights=True but the model has no frozen Linear/Conv1D/Embedding "
                       "weights; nothing was quantized (freeze the base model, e.g. with peft, first)", stacklevel=3)
     return converted
+
+
+class FrozenWeightSource(Protocol):
+    """Where the values of frozen weights come from when the model being sharded holds none (meta device)."""
+
+    device: torch.device
+
+    def fill(self, name: str, store: FrozenInt8Weight) -> None:
+        """Load ``store`` (the weight named ``name`` in the model's state dict) with its real values."""
 
 
 def frozen_stores(model: nn.Module) -> dict[str, FrozenInt8Weight]:

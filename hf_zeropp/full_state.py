@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
+
+import torch
 
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from .frozen import frozen_stores
+from .hf_checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointSource, SafetensorsFolder, plan_reads, read_shards
 from .hpz import reshard_all
 
 # How long rank 0 waits for the other ranks to join a consolidating save or load before it names the missing ones.
@@ -106,3 +111,20 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict
     with _loading(model):
         return set_model_state_dict(model, remaining, options=StateDictOptions(full_state_dict=True, strict=strict))
 
+
+
+def load_pretrained_in_slices(model: nn.Module, directory: str | os.PathLike,
+                              control_group: dist.ProcessGroup | None = None) -> bool:
+    """Read a Hugging Face safetensors folder into the sharded ``model``, each rank only its own slices
+    (collective); False, with nothing read, where the folder does not hold every tensor of the model or the model
+    stores frozen weights INT8 (the caller then loads the full tensors)."""
+    if frozen_stores(model) or not any((Path(directory) / name).is_file() for name in (WEIGHTS_FILE, INDEX_FILE)):
+        return False
+    expect_every_rank(control_group, "loading a saved model")
+    reshard_all(model)
+    source = CheckpointSource(SafetensorsFolder(directory), "", torch.device("cpu"))
+    reads = plan_reads(model, source)
+    if reads.not_stored:
+        return False
+    read_shards(model, source, reads)
+    return True

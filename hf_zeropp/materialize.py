@@ -12,14 +12,20 @@ what each rank holds) and takes a path for each:
   children before their parent), and is then cut to this rank's shard — every rank draws the same random numbers,
   so the shards are exactly those of that init run on the full model. Peak: the root unit (embeddings, head,
   final norm) plus one block in full.
-* ``rank0`` — rank 0 holds real weights (``from_pretrained``), the others the same model on the meta device
-  (:func:`from_pretrained` builds both): the others allocate only their shards and rank 0 sends tensor by tensor
-  (torch's ``set_model_state_dict(..., broadcast_from_rank0=True)``). Peak: one full copy on rank 0; shards plus
-  the largest tensor elsewhere. Frozen weights stored INT8 are quantized from rank 0's real tensors as they arrive.
+* ``checkpoint`` — every rank built the model on the meta device with :func:`from_pretrained`, which attached
+  its safetensors folder: every rank allocates its shards and reads its own slices from the files
+  (:mod:`hf_zeropp.hf_checkpoint`). Peak: shards plus one slice being read, on every rank.
+* ``rank0`` — rank 0 holds real weights, the others the same model on the meta device (what
+  :func:`from_pretrained` builds when the files cannot be read in slices): the others allocate only their shards
+  and rank 0 sends tensor by tensor (torch's ``set_model_state_dict(..., broadcast_from_rank0=True)``). Peak: one
+  full copy on rank 0; shards plus the largest tensor elsewhere. Frozen weights stored INT8 are quantized from
+  rank 0's real tensors as they arrive.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,10 +36,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ._compat import local_tensor, run_init_with_hooks
+from ._compat import init_non_persistent_buffers, local_tensor, run_init_with_hooks
+from .frozen import FrozenInt8Weight, FrozenWeightSource
+from .hf_checkpoint import CheckpointSource, SafetensorsFolder, aliases, plan_reads, read_shards, weight_folder
 from .topology import Topology
 
-REAL, META, RANK0 = "real", "meta", "rank0"
+REAL, META, RANK0, CHECKPOINT = "real", "meta", "rank0", "checkpoint"
 
 
 def agree_on_placement(model: nn.Module, topology: Topology) -> str:
@@ -44,12 +52,13 @@ def agree_on_placement(model: nn.Module, topology: Topology) -> str:
     on_meta = [name for name, p in params.items() if p.is_meta]
     mine = META if params and len(on_meta) == len(params) else REAL if not on_meta else (
         f"partly on the meta device ({len(on_meta)} of {len(params)} parameters, e.g. {on_meta[0]})")
+    if mine == META and CheckpointSource.of(model, torch.device("cpu")) is not None:
+        mine = CHECKPOINT
     everyone = [None] * topology.world_size
     dist.all_gather_object(everyone, mine, group=topology.control_group)
-    if all(placement == REAL for placement in everyone):
-        return REAL
-    if all(placement == META for placement in everyone):
-        return META
+    for placement in (REAL, META, CHECKPOINT):
+        if all(each == placement for each in everyone):
+            return placement
     if everyone[0] == REAL and all(placement == META for placement in everyone[1:]):
         return RANK0
     described = ", ".join(f"rank {rank}: {placement}" for rank, placement in enumerate(everyone))
@@ -61,41 +70,108 @@ def agree_on_placement(model: nn.Module, topology: Topology) -> str:
 
 
 def from_pretrained(model_class: Any, name_or_path: str | Any, *args: Any, **kwargs: Any) -> nn.Module:
-    """``model_class.from_pretrained(name_or_path, ...)`` on rank 0, the same model on the meta device elsewhere.
+    """``model_class.from_pretrained(name_or_path, ...)`` built on the meta device, its weights read when it is
+    sharded: each rank reads only its own slices of the safetensors files.
 
-    Pass the result to :func:`hf_zeropp.shard_model`, ``hf_zeropp.Accelerator.prepare`` or a ZeroPP trainer: rank
-    0's weights are sent to the other ranks' shards, so one full copy exists on the node, not one per rank. Without
-    an initialised process group (one process) this is plain ``from_pretrained``. ``model_class`` is any
-    transformers class with ``from_pretrained`` (``AutoModelForCausalLM``, ``LlamaForCausalLM``...)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        if "device_map" in kwargs:
-            raise ValueError("hf_zeropp.from_pretrained places the weights itself (rank 0: CPU, others: meta); "
-                             f"drop device_map={kwargs['device_map']!r}")
-        kwargs["device_map"] = "meta"
-    return model_class.from_pretrained(name_or_path, *args, **kwargs)
+    Pass the result to :func:`hf_zeropp.shard_model`, ``hf_zeropp.Accelerator.prepare`` or a ZeroPP trainer; no
+    rank ever holds the whole model. Where the files cannot be read in slices (``.bin`` pickles, a checkpoint that
+    lacks some of the model's tensors, buffers without an init), it warns and rank 0 loads the model and sends
+    each rank its shards when the model is sharded. Without an initialised process group (one process) this is
+    plain ``from_pretrained``. ``model_class`` is any transformers class with ``from_pretrained``
+    (``AutoModelForCausalLM``, ``LlamaForCausalLM``...)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return model_class.from_pretrained(name_or_path, *args, **kwargs)
+    if "device_map" in kwargs:
+        raise ValueError("hf_zeropp.from_pretrained places the weights itself (each rank reads its shards when the "
+                         f"model is sharded); drop device_map={kwargs['device_map']!r}")
+    directory = weight_folder(name_or_path, kwargs)
+    folder = SafetensorsFolder(directory) if directory is not None else None  # bad files fail here, on every rank
+    # shapes are checked below, with the file and tensor named (transformers' own error names neither)
+    tolerant = {**kwargs, "ignore_mismatched_sizes": True}
+    model = model_class.from_pretrained(name_or_path, *args, device_map="meta", **tolerant)
+    reason = _why_not_in_slices(model, folder, kwargs.get("ignore_mismatched_sizes", False))
+    if reason is None:
+        model._zeropp_checkpoint = folder
+        return model
+    warnings.warn(f"hf_zeropp.from_pretrained({str(name_or_path)!r}): {reason}, so rank 0 loads the whole model and "
+                  f"sends each rank its shards when it is sharded (one full copy on rank 0)", stacklevel=2)
+    if dist.get_rank() == 0:
+        model = model_class.from_pretrained(name_or_path, *args, **kwargs)
+    model._zeropp_loaded_by = f"rank 0 ({reason})"
+    return model
 
 
-def frozen_weight_source(placement: str, topology: Topology) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How ``quantize_frozen_weights`` gets the real values of a frozen weight under ``placement``."""
+def attach_checkpoint(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Make the not yet sharded meta ``model`` (from :func:`from_pretrained`) read its shards from ``directory``
+    instead (a resumed run's checkpoint); it must hold every tensor of the model, with the same shapes."""
+    folder = SafetensorsFolder(directory)
+    reason = _why_not_in_slices(model, folder, mismatch_allowed=False)
+    if reason is not None:
+        raise ValueError(f"cannot resume the weights from {directory}: {reason}")
+    model._zeropp_checkpoint = folder
+
+
+def _why_not_in_slices(model: nn.Module, folder: SafetensorsFolder | None, mismatch_allowed: bool) -> str | None:
+    """Why the meta ``model`` cannot read its tensors from ``folder`` rank by rank, or None if it can (then its
+    non-persistent buffers are real now). A tensor stored with another shape fails, unless ``mismatch_allowed``
+    (transformers' ``ignore_mismatched_sizes``: it initialises such tensors)."""
+    if folder is None:
+        return "there are no safetensors files to read in slices"
+    mismatched = folder.shape_errors({key: tuple(value.shape) for key, value in model.state_dict().items()})
+    if mismatched and mismatch_allowed:
+        return f"tensors are stored with other shapes ({mismatched[0]}; ignore_mismatched_sizes=True)"
+    if mismatched:
+        raise ValueError(f"{folder.directory} does not fit this model; tensors whose shapes differ: "
+                         + "; ".join(mismatched[:5]) + ". Load it with the config it was saved with, or pass "
+                         "ignore_mismatched_sizes=True to initialise those tensors instead")
+    missing = []
+    for keys in aliases(model, model.state_dict().keys()):
+        if not any(key in folder.tensors for key in keys):
+            missing.extend(keys)
+    if missing:
+        return (f"{folder.directory} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}), which "
+                f"transformers initialises")
+    unset = init_non_persistent_buffers(model)
+    if unset:
+        return f"buffers {', '.join(unset[:3])} are not saved and the model's init does not compute them"
+    return None
+
+
+def frozen_weight_source(model: nn.Module, placement: str, topology: Topology, device: torch.device,
+                         rank0_state: dict[str, torch.Tensor]) -> FrozenWeightSource | None:
+    """How ``quantize_frozen_weights`` gets the real values of a frozen weight under ``placement`` (None: the
+    model holds them; ``rank0_state``: rank 0's state dict under ``rank0``)."""
     if placement == REAL:
-        return lambda weight: weight
-    if placement == META:
-        def refuse(weight: torch.Tensor) -> torch.Tensor:
-            raise ValueError(
-                "quantized_nontrainable_weights stores frozen weights INT8 from their real values, but this model "
-                "was built on the meta device on every rank (random init): load pretrained weights instead "
-                "(hf_zeropp.from_pretrained loads them on rank 0 only), or unfreeze the model"
-            )
-        return refuse
-    group = topology.world_mesh.get_group()
+        return None
+    if placement == CHECKPOINT:
+        return CheckpointSource.of(model, device)
+    return _RefuseRandomInit(device) if placement == META else _FromRank0(topology, rank0_state)
 
-    def from_rank0(weight: torch.Tensor) -> torch.Tensor:
-        values = (weight.detach().to(topology.device_type) if topology.rank == 0
-                  else torch.empty(weight.shape, dtype=weight.dtype, device=topology.device_type))
-        dist.broadcast(values, src=0, group=group)
-        return values
 
-    return from_rank0
+class _RefuseRandomInit:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def fill(self, name: str, store: FrozenInt8Weight) -> None:
+        raise ValueError(
+            "quantized_nontrainable_weights stores frozen weights INT8 from their real values, but this model "
+            "was built on the meta device on every rank (random init): load pretrained weights instead "
+            "(hf_zeropp.from_pretrained), or unfreeze the model"
+        )
+
+
+class _FromRank0:
+    """Rank 0's real weight, broadcast whole; every rank quantizes its part."""
+
+    def __init__(self, topology: Topology, rank0_state: dict[str, torch.Tensor]) -> None:
+        self.topology, self.device, self.values = topology, torch.device(topology.device_type), rank0_state
+
+    def fill(self, name: str, store: FrozenInt8Weight) -> None:
+        weight = self.values[name] if self.topology.rank == 0 else None
+        values = (weight.detach().to(self.device) if weight is not None
+                  else torch.empty(store.shape, dtype=store.dtype, device=self.device))
+        dist.broadcast(values, src=0, group=self.topology.world_mesh.get_group())
+        store.load_(values)
 
 
 def fill_shards(model: nn.Module, placement: str, rank0_state: dict[str, torch.Tensor], topology: Topology,
@@ -103,9 +179,14 @@ def fill_shards(model: nn.Module, placement: str, rank0_state: dict[str, torch.T
     """Give the shards of the just-sharded ``model`` their values under ``placement`` (``real``: they have them)."""
     if placement == REAL:
         return
-    allocated = _allocate_shards(model, device) if placement == META or topology.rank != 0 else []
+    allocated = _allocate_shards(model, device) if placement != RANK0 or topology.rank != 0 else []
     if placement == META:
         initialize_from_meta(model, allocated)
+    elif placement == CHECKPOINT:  # adapters first: building one's unit in full overwrites the unit's shards
+        source = CheckpointSource.of(model, device)
+        reads = plan_reads(model, source)
+        initialize_adapters(model, reads.not_stored, topology.control_group)
+        read_shards(model, source, reads)
     else:
         load_from_rank0(model, rank0_state, topology)
 
@@ -137,6 +218,63 @@ def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor], topol
     for name, buffer in model.named_buffers():
         if name not in keys:
             dist.broadcast(buffer, src=0, group=group)
+
+
+def loading_description(model: nn.Module, placement: str) -> str | None:
+    """How the shards of a model under ``placement`` get their values (``comm_stats()["implementations"]``)."""
+    if placement == CHECKPOINT:
+        return f"each rank reads its own slices of {CheckpointSource.of(model, torch.device('cpu')).folder.directory}"
+    if placement == RANK0:
+        return "rank 0 loads the whole model and sends the shards" + (
+            f": {getattr(model, '_zeropp_loaded_by', '')}" if hasattr(model, "_zeropp_loaded_by") else "")
+    return None
+
+
+def initialize_adapters(model: nn.Module, names: list[str], control_group: dist.ProcessGroup) -> None:
+    """Give the sharded parameters ``names``, which a wrapper added to a model loaded on the meta device (peft's
+    LoRA adapters), their own init: each unit holding some is built in full for a moment on every rank, the
+    adapters' layers initialised from one seed (rank 0's) in that full unit, and the unit cut to this rank's shards.
+
+    Parameters that are not an adapter's fail: nothing could give them values."""
+    if not names:
+        return
+    layers = {}
+    for name in names:
+        layer = _adapter_layer(model, name)
+        if layer is None:
+            raise ValueError(f"{name} is neither in the checkpoint nor an adapter's parameter (peft's lora_*): "
+                             f"nothing gives it a value; load the model in full (device_map=None) or add that "
+                             f"module after sharding")
+        layers[id(layer)] = layer
+    seed = [torch.randint(0, 2**62, ()).item() if dist.get_rank() == 0 else 0]
+    dist.broadcast_object_list(seed, src=0, group=control_group)
+    units = {id(m): m for m in model.modules() if isinstance(m, FSDPModule)}
+    owners = _owning_units(model, units)
+    by_unit: dict[int, list[nn.Module]] = {}
+    for layer in layers.values():
+        by_unit.setdefault(id(owners[id(layer)]), []).append(layer)
+    peft_config = getattr(model, "peft_config", {})
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed[0])
+        for unit_layers in by_unit.values():
+            unit = owners[id(unit_layers[0])]
+            slots: dict[tuple[int, str], DTensor] = {}
+            _materialize(unit, units, slots)
+            for layer in unit_layers:
+                for adapter in layer.lora_A:
+                    config = peft_config.get(adapter)
+                    layer.reset_lora_parameters(adapter, getattr(config, "init_lora_weights", True))
+            _cut(unit, units, slots, {})
+
+
+def _adapter_layer(model: nn.Module, name: str) -> nn.Module | None:
+    """The peft LoRA layer whose adapter ``name`` belongs to (``...q_proj.lora_A.default.weight``), if any."""
+    path = name.split(".")
+    for end in range(len(path) - 1, 0, -1):
+        if path[end].startswith("lora_"):
+            layer = model.get_submodule(".".join(path[:end]))
+            return layer if callable(getattr(layer, "reset_lora_parameters", None)) else None
+    return None
 
 
 def initialize_from_meta(model: nn.Module, allocated_buffers: list[tuple[nn.Module, str]]) -> None:

@@ -29,11 +29,14 @@ from .auto import choose as choose_configuration
 from .comm_meter import CommMeter
 from .config import ZeroPPConfig
 from .frozen import quantize_frozen_weights
-from .full_state import consolidate, consolidated_state_dict, holds_dtensors, is_loading_full_state, load_full_state_dict
+from .full_state import (consolidate, consolidated_state_dict, expect_every_rank, holds_dtensors, is_loading_full_state,
+                         load_full_state_dict)
+from .hf_checkpoint import write_pretrained, writes_per_rank
 from .hpz import shared_hpz_mesh
 from .hybrid import check_hybrid_fits, install_hybrid_all_reduce
 from .inference import route_generate
-from .materialize import RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source
+from .materialize import (RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source,
+                          loading_description)
 from .optimizer_hooks import watch_parameters
 from .qgz import make_reduce_scatter
 from .qwz import make_all_gather
@@ -67,11 +70,14 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     original_class, before = type(model), dict(model.named_parameters())
     placement = agree_on_placement(model, topology)
     rank0_state = model.state_dict() if placement == RANK0 and topology.rank == 0 else {}  # references, not copies
+    if loading_description(model, placement):
+        meter.conditions["loading"] = loading_description(model, placement)
     if placement == REAL:
         _make_replicas_equal(model, topology, device)
     if config.quantized_nontrainable_weights:
         quantize_frozen_weights(model, topology, meter, config.weight_bits, config.block_size,
-                                _DTYPES[config.mixed_precision], frozen_weight_source(placement, topology),
+                                _DTYPES[config.mixed_precision],
+                                frozen_weight_source(model, placement, topology, device, rank0_state),
                                 backend=config.kernel_backend)
     units = _apply_fsdp_units(model, config, topology, device, frozen)
     model.__class__ = _zeropp_class(type(model), original_class)
@@ -304,6 +310,11 @@ class ZeroPPModule:
         state_dict = named.get("state_dict")
         control_group = zeropp_state(self).topology.control_group
         collective = state_dict is None or holds_dtensors(state_dict)
+        writer_arguments = {k: v for k, v in named.items() if k not in ("self", "save_directory", "state_dict")}
+        if state_dict is None and writes_per_rank(self, writer_arguments):
+            expect_every_rank(control_group, "save_pretrained")
+            write_pretrained(self, save_directory, named.get("max_shard_size", "50GB"), control_group)
+            return None
         if state_dict is None:
             state_dict = consolidated_state_dict(self, control_group)
         elif holds_dtensors(state_dict):

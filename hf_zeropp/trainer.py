@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from ._compat import TrainerHooks, extend_valid_dict_fields, trainer_accelerator_class, trainer_save
 from .accelerate_integration import Accelerator, is_sharded
 from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_checkpoint, save_checkpoint
 from .config import SCHEDULED_TECHNIQUES, ZeroPPConfig
+from .full_state import load_pretrained_in_slices
+from .hf_checkpoint import write_pretrained, writes_per_rank
+from .materialize import attach_checkpoint
 from .runtime import active_techniques, comm_stats, set_techniques
 from .state import zeropp_state
 
@@ -167,6 +173,26 @@ class ZeroPPTrainerMixin(TrainerHooks):
             return
         upstream(model, device)
 
+    def _zeropp_load_from_checkpoint(self, checkpoint: str, model: Any, upstream: Any) -> None:
+        """The Trainer's ``_load_from_checkpoint`` (``upstream``), which loads the weights when training resumes,
+        before the model is prepared. A model that :func:`hf_zeropp.from_pretrained` built on the meta device holds
+        no weights to load them into: it reads the checkpoint's files instead, each rank its slices, when it is
+        sharded (loading them into meta tensors would silently keep the pretrained weights)."""
+        model = model if model is not None else self.model
+        if vars(model).get("_zeropp_checkpoint") is not None and not is_sharded(model):
+            attach_checkpoint(model, checkpoint)
+            return
+        if is_sharded(model) and load_pretrained_in_slices(model, checkpoint, model._zeropp.topology.control_group):
+            return
+        upstream(checkpoint, model)
+
+    def _zeropp_load_best_model(self, upstream: Any) -> None:
+        """The Trainer's ``_load_best_model`` (``upstream``): each rank reads its slices of the best checkpoint."""
+        if self._zeropp_sharded() and load_pretrained_in_slices(self.model, self.state.best_model_checkpoint,
+                                                                self.model._zeropp.topology.control_group):
+            return
+        upstream()
+
     def _zeropp_sharded(self) -> bool:
         return is_sharded(self.model)
 
@@ -193,6 +219,15 @@ class ZeroPPTrainerMixin(TrainerHooks):
         if not self._zeropp_sharded():
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if writes_per_rank(self.model, {"safe_serialization": getattr(self.args, "save_safetensors", True)}):
+            # every rank writes its slices; tokenizer and arguments as the Trainer's _save writes them
+            write_pretrained(self.model, output_dir, control_group=self.model._zeropp.topology.control_group)
+            if self.args.should_save:
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+            self.accelerator.wait_for_everyone()
+            return
         state_dict = self.accelerator.get_state_dict(self.model)
         trainer_save(self, output_dir, state_dict)  # writes on rank 0 only (the model's save_pretrained)
         # every rank returns once the folder is complete: the Trainer checks for it right after (transformers

@@ -15,14 +15,14 @@ ROOT = PACKAGE.parent
 
 LAYERS = [
     {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
-     "deepspeed_config", "field_types", "presets", "_compat", "testing", "testing.corpus", "testing.spawn",
+     "deepspeed_config", "field_types", "presets", "_compat", "hf_checkpoint", "testing", "testing.corpus", "testing.spawn",
      "testing.tiny_models", "testing.payloads", "testing.emulated_network", "testing.emulated_cluster"},
     {"config"},
     {"topology"},
-    {"comm_meter", "hpz", "materialize", "qgz_payload"},
+    {"comm_meter", "hpz", "qgz_payload"},
     {"hybrid"},
     {"auto"},
-    {"qwz", "qgz", "frozen", "full_state", "inference", "state", "optimizer_hooks"},
+    {"qwz", "qgz", "frozen", "full_state", "inference", "state", "optimizer_hooks", "materialize"},
     {"reports", "runtime"},
     {"sharding"},
     {"checkpoint"},

@@ -110,13 +110,15 @@ def _parameters(function) -> list[str]:
     return list(inspect.signature(function).parameters)
 
 
-def test_torch_fsdp2_internals(one_rank_group):
+def test_torch_fsdp2_internals(one_rank_group, tmp_path_factory):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     with entry("process_group_timeout"):
         assert _compat.process_group_timeout(dist.group.WORLD, "cpu") == one_rank_group
+    with entry("consolidate_safetensors_on_every_rank"):
+        _consolidates_safetensors(tmp_path_factory.mktemp("consolidate"))
     with entry("AllGather"):
         assert isinstance(_compat.AllGather, type), _compat.AllGather
         assert _parameters(_compat.AllGather.__call__) == ["self", "output_tensor", "input_tensor", "group",
@@ -267,6 +269,21 @@ def _tiny_gpt2():
     return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2))
 
 
+def _consolidates_safetensors(directory: Path) -> None:
+    """Two DCP-written slices of a tensor, and a whole one, consolidated into two standard files."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    state = {"a": torch.arange(12.0).view(3, 4), "b": torch.ones(2)}
+    file_of = {"a": 1, "b": 2}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(directory / "sharded"), fqn_to_index_mapping=file_of,
+                                                            save_distributed=True))
+    _compat.consolidate_safetensors_on_every_rank(str(directory / "sharded"), str(directory), file_of, None)
+    assert torch.equal(load_file(directory / "model-00001-of-00002.safetensors")["a"], state["a"])
+    assert torch.equal(load_file(directory / "model-00002-of-00002.safetensors")["b"], state["b"])
+
+
 def test_transformers_internals(tmp_path):
     import transformers
     import transformers.trainer as trainer_module
@@ -283,6 +300,18 @@ def test_transformers_internals(tmp_path):
         assert before == after, "before/after must bracket each module's init"
         assert {id(model.transformer.wte), id(model.transformer.h[0].mlp.c_fc), id(model)} <= set(before)
         assert not any("_initialize_weights" in vars(m) for m in model.modules())  # the wrappers are gone
+
+    with entry("init_non_persistent_buffers"):
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)
+        LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+        on_meta = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", device_map="meta")
+        assert on_meta.model.rotary_emb.inv_freq.is_meta
+        assert _compat.init_non_persistent_buffers(on_meta) == []
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").model.rotary_emb.inv_freq
+        assert torch.equal(on_meta.model.rotary_emb.inv_freq, expected)
 
     with entry("trainer_accelerator_class"):
         method = Trainer.create_accelerator_and_postprocess

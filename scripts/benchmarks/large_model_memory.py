@@ -1,31 +1,38 @@
-"""Peak host memory and time to the first step per rank, for the three ways a model reaches shard_model.
+"""Peak host memory and time per rank, for the ways a model reaches shard_model and the two ways it is saved.
 
     python -m scripts.benchmarks.large_model_memory            # 355M and 1.5B GPT-2 shapes, 4 ranks as 2 x 2
     python -m scripts.benchmarks.large_model_memory --shapes 355m --paths eager meta pretrained
-    python -m scripts.benchmarks.large_model_memory --shapes 1.5b --preset zero3 --steps 1
-                                                       # (hpZ would add 1/2 model per rank)
+    python -m scripts.benchmarks.large_model_memory --shapes 1.5b --paths rank0 pretrained --saves per-rank consolidated
 
 Paths (docs/large-models.md):
   eager       every rank builds the full model (GPT2LMHeadModel(config)), then shard_model — the path before
               meta-device support;
   meta        every rank builds it under torch.device("meta"); shard_model initialises only its shards;
-  pretrained  rank 0 loads a saved checkpoint, the others build it on the meta device (hf_zeropp.from_pretrained);
-              the checkpoint is written once, beforehand, under --checkpoints.
+  rank0       rank 0 loads a saved checkpoint in full, the others build it on the meta device; rank 0 sends the
+              shards (what hf_zeropp.from_pretrained did before each rank read its own slices);
+  pretrained  hf_zeropp.from_pretrained: every rank builds the model on the meta device and reads its own slices
+              of the checkpoint's safetensors files.
+The checkpoint is written once, beforehand, under --checkpoints.
+
+Saves (after training, each into its own folder, every rank's peak reset first):
+  per-rank      hf_zeropp.save_pretrained: every rank writes its slices and a share of the standard files;
+  consolidated  the save before: the full state dict gathered on rank 0, written by the model's save_pretrained.
 
 Each path runs in its own 4 processes, one after the other in this run. Per rank: peak RSS until shard_model
 returns (VmHWM: building, loading and sharding; imports included), peak RSS over the whole run, RSS in training
 (after the last step: the steady state), their ratio, the state bytes (parameter shards + gradients + optimizer
 state, ``hf_zeropp.state_bytes``), and seconds to shard and to the end of the first optimizer step, both from the
-start of building the model. Targets: ranks other than 0 load with a peak <= 1.5 x their training RSS; rank 0 with
-at most one full fp32 copy more. SGD (no optimizer state) and fp32
-compute keep a 1.5B model on 4 CPU ranks within this machine's 24 GiB for the meta and pretrained paths; the eager
-path of the 1.5B shape needs four full copies (4 x 6.2 GB) plus the shards and is only run with --eager-1.5b.
+start of building the model; for each save, its peak RSS against the RSS in training, and its seconds. SGD (no
+optimizer state) and fp32 compute keep a 1.5B model on 4 CPU ranks within this machine's 24 GiB for the meta,
+rank0 and pretrained paths; the eager path of the 1.5B shape needs four full copies (4 x 6.2 GB) plus the shards
+and is only run with --eager-1.5b.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -52,7 +59,8 @@ def _current_rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _one_rank(shape: str, path: str, checkpoint: str, steps: int, preset: str, node_size: int) -> dict:
+def _one_rank(shape: str, path: str, checkpoint: str, steps: int, preset: str, node_size: int,
+              saves: list[str], save_root: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
@@ -66,6 +74,10 @@ def _one_rank(shape: str, path: str, checkpoint: str, steps: int, preset: str, n
     elif path == "meta":
         with torch.device("meta"):
             model = GPT2LMHeadModel(_config(shape))
+    elif path == "rank0":
+        on_rank_0 = torch.distributed.get_rank() == 0
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                     **({} if on_rank_0 else {"device_map": "meta"}))
     else:
         model = hf_zeropp.from_pretrained(AutoModelForCausalLM, checkpoint, dtype=torch.float32)
     hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig.preset(preset, mixed_precision="no", node_size=node_size))
@@ -81,9 +93,36 @@ def _one_rank(shape: str, path: str, checkpoint: str, steps: int, preset: str, n
         steady = sum(hf_zeropp.state_bytes(model, optimizer).values())  # gradients kept: the steady state
         optimizer.zero_grad(set_to_none=False)
     full = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes (DTensors)
-    return {"base": base, "peak_sharded": peak_sharded, "peak": _peak_rss_bytes(), "training": _current_rss_bytes(),
-            "steady": steady, "full": full, "shard_s": sharded,
-            "first_step_s": first_step}
+    result = {"base": base, "peak_sharded": peak_sharded, "peak": _peak_rss_bytes(), "training": _current_rss_bytes(),
+              "steady": steady, "full": full, "shard_s": sharded, "first_step_s": first_step}
+    for way in saves:
+        _reset_peak_rss()
+        start = time.perf_counter()
+        _save(model, way, f"{save_root}/{way}")
+        result[f"save_{way}"] = {"peak": _peak_rss_bytes(), "s": time.perf_counter() - start}
+    return result
+
+
+def _save(model, way: str, directory: str) -> None:
+    import torch.distributed as dist
+
+    import hf_zeropp
+    from hf_zeropp.full_state import consolidated_state_dict
+
+    if way == "per-rank":
+        hf_zeropp.save_pretrained(model, directory)
+        return
+    state = consolidated_state_dict(model)
+    if dist.get_rank() == 0:
+        model.save_pretrained(directory, state_dict=state)
+    del state
+    dist.barrier()
+
+
+def _reset_peak_rss() -> None:
+    """Set VmHWM back to the current RSS (Linux: 5 to /proc/self/clear_refs), so the next peak is the save's."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
 
 
 def _write_checkpoint(shape: str, directory: Path) -> None:
@@ -99,8 +138,10 @@ def _write_checkpoint(shape: str, directory: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--paths", nargs="+", default=["eager", "meta", "pretrained"],
-                        choices=["eager", "meta", "pretrained"])
+    parser.add_argument("--paths", nargs="+", default=["eager", "meta", "rank0", "pretrained"],
+                        choices=["eager", "meta", "rank0", "pretrained"])
+    parser.add_argument("--saves", nargs="*", default=["per-rank", "consolidated"], choices=["per-rank", "consolidated"],
+                        help="saves measured after training (each path); none: --saves with no value")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--preset", default="zeropp")
     parser.add_argument("--world", type=int, default=4)
@@ -121,6 +162,7 @@ def main() -> None:
     print("| shape | path | rank | peak RSS until sharded | peak RSS overall | RSS in training | loading peak / "
           "training RSS | state bytes | shard s | first step s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    saves = []
     for shape in args.shapes:
         checkpoint = args.checkpoints / f"gpt2_{shape}"
         full_copy = None
@@ -129,17 +171,27 @@ def main() -> None:
                 print(f"| {shape} | eager | all | not run: 4 full fp32 copies (4 x 6.2 GB) plus shards exceed this "
                       f"machine's 24 GiB (--eager-1.5b to try) | | | | | | |")
                 continue
-            if path == "pretrained":
+            if path in ("rank0", "pretrained"):
                 _write_checkpoint(shape, checkpoint)
+            save_root = args.checkpoints / f"saved_{shape}_{path}"
             results = run_distributed(_one_rank, args.world, shape, path, str(checkpoint), args.steps, args.preset,
-                                      args.node_size, node_size=args.node_size, timeout=3600.0)
+                                      args.node_size, args.saves, str(save_root), node_size=args.node_size,
+                                      timeout=3600.0)
+            shutil.rmtree(save_root, ignore_errors=True)
             for rank, r in enumerate(results):
                 full_copy = r["full"]
                 print(f"| {shape} | {path} | {rank} | {r['peak_sharded'] / gb:.2f} | {r['peak'] / gb:.2f} "
                       f"| {r['training'] / gb:.2f} | {r['peak_sharded'] / r['training']:.2f} | {r['steady'] / gb:.2f} "
                       f"| {r['shard_s']:.1f} | {r['first_step_s']:.1f} |", flush=True)
+                saves += [(shape, path, rank, r["training"], way, r[f"save_{way}"]) for way in args.saves]
         print(f"\n{shape}: one full fp32 copy = {full_copy / gb:.2f} GB; idle process after imports "
               f"{results[0]['base'] / gb:.2f} GB (included in every RSS figure)\n")
+    if saves:
+        print("| shape | path | rank | save | RSS in training | save peak RSS | save peak / training RSS | save s |")
+        print("|---|---|---:|---|---:|---:|---:|---:|")
+        for shape, path, rank, training, way, save in saves:
+            print(f"| {shape} | {path} | {rank} | {way} | {training / gb:.2f} | {save['peak'] / gb:.2f} "
+                  f"| {save['peak'] / training:.2f} | {save['s']:.1f} |")
 
 
 if __name__ == "__main__":
