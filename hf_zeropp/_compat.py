@@ -50,8 +50,6 @@ UPSTREAM: dict[str, str] = {
     "no_split_modules": "transformers.PreTrainedModel._no_split_modules",
     "run_init_with_hooks": "transformers.PreTrainedModel._initialize_weights (+ initialize_weights)",
     "init_non_persistent_buffers": "transformers.PreTrainedModel._init_weights",
-    "consolidate_safetensors_on_every_rank": "torch.distributed.checkpoint._consolidate_hf_safetensors"
-                                             ".consolidate_safetensors_files_on_every_rank",
     "trainer_accelerator_class": "transformers.trainer.Accelerator (looked up by "
                                  "Trainer.create_accelerator_and_postprocess)",
     "TrainerHooks": "transformers.Trainer._move_model_to_device, ._save_optimizer_and_scheduler, "
@@ -295,16 +293,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-# checked: torch 2.13
-def consolidate_safetensors_on_every_rank(input_dir: str, output_dir: str, file_of: dict[str, int],
-                                          group: dist.ProcessGroup | None) -> None:
-    """torch's consolidation of DCP-written safetensors shards into whole-tensor files, each rank writing the
-    output files whose index is its rank modulo the group size (collective)."""
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
-
-    consolidate_safetensors_files_on_every_rank(input_dir, output_dir, file_of, process_group=group)
 
 
 # ---------------------------------------------------------------- transformers (checked on 4.56.1 - 5.23)

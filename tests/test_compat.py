@@ -110,15 +110,14 @@ def _parameters(function) -> list[str]:
     return list(inspect.signature(function).parameters)
 
 
-def test_torch_fsdp2_internals(one_rank_group, tmp_path_factory):
+def test_torch_fsdp2_internals(one_rank_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     with entry("process_group_timeout"):
         assert _compat.process_group_timeout(dist.group.WORLD, "cpu") == one_rank_group
-    with entry("consolidate_safetensors_on_every_rank"):
-        _consolidates_safetensors(tmp_path_factory.mktemp("consolidate"))
+
     with entry("AllGather"):
         assert isinstance(_compat.AllGather, type), _compat.AllGather
         assert _parameters(_compat.AllGather.__call__) == ["self", "output_tensor", "input_tensor", "group",
@@ -267,21 +266,6 @@ def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2))
-
-
-def _consolidates_safetensors(directory: Path) -> None:
-    """Two DCP-written slices of a tensor, and a whole one, consolidated into two standard files."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-    state = {"a": torch.arange(12.0).view(3, 4), "b": torch.ones(2)}
-    file_of = {"a": 1, "b": 2}
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(directory / "sharded"), fqn_to_index_mapping=file_of,
-                                                            save_distributed=True))
-    _compat.consolidate_safetensors_on_every_rank(str(directory / "sharded"), str(directory), file_of, None)
-    assert torch.equal(load_file(directory / "model-00001-of-00002.safetensors")["a"], state["a"])
-    assert torch.equal(load_file(directory / "model-00002-of-00002.safetensors")["b"], state["b"])
 
 
 def test_transformers_internals(tmp_path):

@@ -1,6 +1,6 @@
 """Network faults on the emulated cluster (2 nodes x 2 ranks, 100 Mbit/s links), during ZeRO++ training of the tiny
 GPT-2 (``tests/fault_worker.py`` under torchrun in every node's network namespace): packet loss on the links between
-nodes and a link flap. TCP retransmits what the link drops, so every run must end with exactly the losses of the
+nodes, a link flap, and the loss of a whole node. TCP retransmits what the link drops, so every run must end with exactly the losses of the
 run without faults; only its time may grow. A flap shorter than the process group's timeout must be ridden out the
 same way. Minutes of runs: marked slow (``bash scripts/test.sh -m slow -k network``); their results are in
 docs/reliability.md."""
@@ -73,3 +73,49 @@ def test_the_flap_happened_while_training_ran(runs):
     assert [event["links"] for event in flap] == ["down", "up"]
     assert runs["flap 5 s"]["wall_s"] > flap[1]["t_s"], "the run was still going when the links came back"
     assert runs["flap 5 s"]["wall_s"] >= runs["none"]["wall_s"] + 3, "the outage must show in the wall time"
+
+
+# ------------------------------------------------------------------------------------------------ node loss
+
+NODE_LOSS_STEPS, NODE_LOSS_AT, SAVE_EVERY = 10, 7, 2
+
+
+def _trainer_on_the_cluster(work: Path, name: str, output_dir: str, zeropp: dict, kill_node_at: int | None) -> dict:
+    """``tests/trainer_worker.py`` (ZeroPPTrainer, checkpoints every ``SAVE_EVERY`` steps into ``output_dir``,
+    resuming from the newest complete one there if any) on 2 emulated nodes x 2 ranks."""
+    spec = {"output_dir": output_dir, "max_steps": NODE_LOSS_STEPS, "save_steps": SAVE_EVERY, "pg_timeout": 30,
+            "resume": "latest", "zeropp": {**zeropp, "node_size": 2}, "result": str(work / f"{name}.json")}
+    if kill_node_at is not None:
+        spec["kill_node_at_step"] = kill_node_at
+    (work / f"{name}-spec.json").write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "hf_zeropp.testing.emulated_cluster", "--nodes", "2", "--nproc-per-node", "2",
+               "--link", "1gbit", "--grace", "60", "--", str(ROOT / "tests" / "trainer_worker.py"),
+               str(work / f"{name}-spec.json")]
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {"returncode": done.returncode, "log": (done.stdout + done.stderr)[-4000:],
+            "wall_s": time.monotonic() - start, "result": json.loads((work / f"{name}.json").read_text())}
+
+
+@pytest.mark.parametrize("preset", ["zero3", "zeropp"])
+def test_a_lost_node_ends_the_job_and_the_rerun_resumes_from_the_last_checkpoint_with_the_same_losses(tmp_path,
+                                                                                                   preset):
+    """Every rank of node 1 is SIGKILLed at the end of step 7, before that step is logged or saved. Node 0's ranks
+    fail on the dead connections and the whole job ends with an error (no hang). The job started again, as a
+    scheduler requeues it, resumes from checkpoint-6, the newest complete one, and logs exactly the losses of a run
+    without the fault for steps 7-10 (bit-exact): one step is lost."""
+    zeropp = {"stage": 3} if preset == "zero3" else ZEROPP
+    clean = _trainer_on_the_cluster(tmp_path, "clean", str(tmp_path / "clean"), zeropp, None)
+    lost = _trainer_on_the_cluster(tmp_path, "lost", str(tmp_path / "job"), zeropp, NODE_LOSS_AT)
+    rerun = _trainer_on_the_cluster(tmp_path, "rerun", str(tmp_path / "job"), zeropp, None)
+    print(f"{preset}: clean {clean['wall_s']:.1f} s; with node 1 lost at step {NODE_LOSS_AT} the job ended after "
+          f"{lost['wall_s']:.1f} s; the rerun took {rerun['wall_s']:.1f} s")
+    assert clean["returncode"] == 0 and rerun["returncode"] == 0, rerun["log"]
+    assert lost["returncode"] != 0, lost["log"]
+    last_saved = NODE_LOSS_AT - NODE_LOSS_AT % SAVE_EVERY
+    assert sorted(map(int, lost["result"]["losses"])) == list(range(1, NODE_LOSS_AT)), lost["result"]
+    assert rerun["result"]["started_at_step"] == last_saved, rerun["result"]
+    expected = clean["result"]["losses"]
+    assert sorted(map(int, rerun["result"]["losses"])) == list(range(last_saved + 1, NODE_LOSS_STEPS + 1))
+    assert rerun["result"]["losses"] == {step: expected[step] for step in rerun["result"]["losses"]}, (rerun, clean)

@@ -7,7 +7,11 @@ in the environment; Accelerate creates the process group). The spec::
     {"output_dir": "...", "max_steps": 6, "save_steps": 2, "pg_timeout": 20,
      "kill_at_save": 4,            # optional: rank 1 dies (SIGKILL) when the Trainer saves checkpoint-4, after the
                                    # consolidated weights were written and before the optimizer shards
-     "resume": true,               # optional: train(resume_from_checkpoint=<this>): true, or a checkpoint path
+     "kill_node_at_step": 5,       # optional: under torchrun on several nodes, every rank of node 1 dies
+                                   # (SIGKILL) at the end of this step: a node lost
+     "resume": true,               # optional: train(resume_from_checkpoint=<this>): true, or a checkpoint path;
+                                   # "latest": the newest complete checkpoint if there is one (a restarted run)
+     "zeropp": {"stage": 3},       # optional: the config (default stage 3)
      "result": ".../result.json"}  # rank 0 writes what happened: the global step training started from, the
                                    # loss logged at each step of this run (as it happens), the error if any
 
@@ -33,6 +37,7 @@ def main() -> None:
     from transformers import TrainerCallback
 
     import hf_zeropp
+    from hf_zeropp.checkpoint import latest_trainer_checkpoint
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ["RANK"])
@@ -47,6 +52,11 @@ def main() -> None:
         def on_train_begin(self, args, state, control, **kwargs):
             result["started_at_step"] = state.global_step
             result["losses"] = {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            node = int(os.environ.get("GROUP_RANK", "0"))
+            if node == 1 and state.global_step == spec.get("kill_node_at_step"):
+                os.kill(os.getpid(), signal.SIGKILL)
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # written as it happens: a crash may follow
             if logs and "loss" in logs:
@@ -64,10 +74,15 @@ def main() -> None:
     args = hf_zeropp.ZeroPPTrainingArguments(
         output_dir=spec["output_dir"], max_steps=spec["max_steps"], per_device_train_batch_size=2,
         learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=spec["save_steps"], report_to="none",
-        use_cpu=True, seed=0, ddp_timeout=spec["pg_timeout"], zeropp={"stage": 3}, dataloader_num_workers=0)
+        use_cpu=True, seed=0, ddp_timeout=spec["pg_timeout"], zeropp=spec.get("zeropp", {"stage": 3}),
+        dataloader_num_workers=0)
     trainer = CrashingTrainer(model=tiny_gpt2(), args=args, train_dataset=dataset, callbacks=[Record()])
     try:
-        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        resume = spec.get("resume")
+        if resume == "latest":
+            latest = latest_trainer_checkpoint(spec["output_dir"])
+            resume = str(latest) if latest is not None else None
+        trainer.train(resume_from_checkpoint=resume)
         result["log"] = [entry for entry in trainer.state.log_history if "loss" in entry]
         result["final_step"] = trainer.state.global_step
         # as in scripts/train_gpt.py: tear the process group down on every rank together, not at interpreter exit
