@@ -12,7 +12,10 @@ script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes the
 - ``HfArgumentParser`` (and TRL's copy of it) gives every ``TrainingArguments`` class (TRL's configs too) a
   ``--zeropp`` option;
 - ``TrainingArguments(deepspeed=...)`` takes the DeepSpeed config as the hf_zeropp config instead of importing
-  DeepSpeed (:func:`hf_zeropp.trainer.take_deepspeed_config`).
+  DeepSpeed (:func:`hf_zeropp.trainer.take_deepspeed_config`);
+- with ``--load_in_slices`` only: ``PreTrainedModel.from_pretrained`` (so every ``AutoModel*`` class) is
+  :func:`hf_zeropp.from_pretrained` once the process group exists: the model is built on the meta device and each
+  rank reads its own slices when it is sharded.
 
 Rank 0 says in one line what was installed and the resolved config, and at exit, for each model sharded outside the
 Trainer (whose logs carry them), the bytes it sent intra and inter node. ``import hf_zeropp`` installs nothing;
@@ -39,11 +42,12 @@ import accelerate
 import accelerate.accelerator
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers import HfArgumentParser, PreTrainedModel, Trainer, TrainingArguments
 
 from .accelerate_integration import Accelerator
 from .config import ZeroPPConfig
-from .launch import RESTORE_ENVIRONMENT
+from .launch import LOAD_IN_SLICES, RESTORE_ENVIRONMENT
+from .materialize import load_in_slices
 from .runtime import comm_stats
 from .state import sharded_models, zeropp_state
 from .topology import Topology
@@ -61,10 +65,12 @@ def installed() -> bool:
     return bool(_originals)
 
 
-def install() -> None:
+def install(load_in_slices: bool = False) -> None:
     """Make the stock names listed in the module docstring run on hf_zeropp (idempotent)."""
     if installed():
         return
+    if load_in_slices:
+        _replace(PreTrainedModel, "from_pretrained", _loading_in_slices(PreTrainedModel.__dict__["from_pretrained"]))
     _replace(accelerate, "Accelerator", Accelerator)
     _replace(accelerate.accelerator, "Accelerator", Accelerator)
     _replace(Trainer, "__init__", _with_mixin_at_init(Trainer.__init__))
@@ -124,6 +130,19 @@ def _lacks_zeropp_field(dataclass_type: Any) -> bool:
             and "zeropp" not in getattr(dataclass_type, "__dataclass_fields__", {}))
 
 
+def _loading_in_slices(stock: classmethod) -> classmethod:
+    load = stock.__func__
+
+    @functools.wraps(load)
+    def from_pretrained(cls: type, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        by_itself = ("device_map" in kwargs or "state_dict" in kwargs or "gguf_file" in kwargs
+                     or not isinstance(name_or_path, (str, os.PathLike)))
+        if by_itself or not (dist.is_available() and dist.is_initialized()):
+            return load(cls, name_or_path, *args, **kwargs)  # placed by the script, or before the process group
+        return load_in_slices(functools.partial(load, cls), name_or_path, *args, **kwargs)
+    return classmethod(from_pretrained)
+
+
 def _taking_deepspeed_config(stock_post_init: Any) -> Any:
     @functools.wraps(stock_post_init)
     def __post_init__(self) -> None:
@@ -132,7 +151,7 @@ def _taking_deepspeed_config(stock_post_init: Any) -> Any:
     return __post_init__
 
 
-def describe(config: ZeroPPConfig, topology: Topology) -> str:
+def describe(config: ZeroPPConfig, topology: Topology, load_in_slices: bool = False) -> str:
     """The one line rank 0 prints at start: what runs on hf_zeropp, the config, and the nodes."""
     techniques = [f"stage {config.stage}"]
     if config.quantized_weights:
@@ -152,7 +171,9 @@ def describe(config: ZeroPPConfig, topology: Topology) -> str:
     if config.mixed_precision != "no":
         techniques.append(config.mixed_precision)
     return (f"hf_zeropp launch: accelerate.Accelerator, transformers.Trainer (TRL's trainers too) and "
-            f"HfArgumentParser (--zeropp, --deepspeed) run on hf_zeropp; config: {', '.join(techniques)}; "
+            f"HfArgumentParser (--zeropp, --deepspeed) run on hf_zeropp"
+            f"{'; from_pretrained builds on meta, each rank reads its slices' if load_in_slices else ''}; "
+            f"config: {', '.join(techniques)}; "
             f"{topology.nodes} node(s) x {topology.node_size} ranks (node size from {topology.node_size_source})")
 
 
@@ -196,10 +217,11 @@ def main(argv: list[str] | None = None) -> None:
             os.environ[name] = value
     config = ZeroPPConfig.coerce(None, argument="ZEROPP_CONFIG")
     topology = Topology.from_config(config, int(os.environ.get("WORLD_SIZE", "1")))
-    install()
+    load_in_slices = os.environ.pop(LOAD_IN_SLICES, "") == "1"
+    install(load_in_slices)
     atexit.register(_destroy_process_group)  # registered first, so it runs after the script's and the byte line's
     if os.environ.get("RANK", "0") == "0":
-        print(describe(config, topology), flush=True)
+        print(describe(config, topology, load_in_slices), flush=True)
         atexit.register(_print_bytes_at_exit)
     if argv[0] == "-m":
         sys.argv = argv[1:]

@@ -2,8 +2,8 @@
 
 Loading: :func:`hf_zeropp.from_pretrained` builds the model on the meta device on every rank and attaches the
 folder it came from (:class:`SafetensorsFolder`, checked when opened: missing files, truncated files, no weights).
-:func:`hf_zeropp.shard_model` then gives every rank its own slices of each tensor, read from the files by torch
-DCP's Hugging Face reader (safetensors' ``get_slice``: only the slice is read). Frozen weights stored INT8 are
+:func:`hf_zeropp.shard_model` then gives every rank its own slices of each tensor, read from the files through torch
+DCP (its Hugging Face reader, opening the file per tensor; safetensors' ``get_slice``: only the slice is read). Frozen weights stored INT8 are
 quantized from the rank's own rows. Parameters that a wrapper added after loading (peft's LoRA adapters) are built
 by their own init, from one seed on every rank.
 
@@ -122,7 +122,7 @@ def weight_folder(name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -> Pa
         directory = Path(snapshot_download(
             str(name_or_path), revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"),
             token=kwargs.get("token"), local_files_only=kwargs.get("local_files_only", False),
-            allow_patterns=[f"{subfolder}/*" if subfolder else "*.json", "*.safetensors", "*.json"]))
+            allow_patterns=["*.safetensors", "*.json"]))
     directory = directory / subfolder
     return directory if (directory / INDEX_FILE).is_file() or (directory / WEIGHTS_FILE).is_file() else None
 

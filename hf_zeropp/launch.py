@@ -42,6 +42,7 @@ WORKER_MODULE = "hf_zeropp.dropin"
 # Environment set only to start a worker as Python starts a script (the script's folder first on the module search
 # path): the worker puts these variables' own values, kept here as JSON, back before the script runs.
 RESTORE_ENVIRONMENT = "HF_ZEROPP_RESTORE_ENVIRONMENT"
+LOAD_IN_SLICES = "HF_ZEROPP_LOAD_IN_SLICES"  # set by --load_in_slices; the workers' dropin reads it
 # Accelerate's distributed types that hf_zeropp.Accelerator runs under (it replaces DDP there)
 RUNS_ON = {"NO", "MULTI_GPU", "MULTI_CPU"}
 # Accelerate's DeepSpeed settings (YAML ``deepspeed_config`` keys = ``accelerate launch`` option names)
@@ -70,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
         "--zeropp", default=None,
         help="hf_zeropp config: a preset (zero3, zeropp, ...), a YAML/JSON file (hf_zeropp or DeepSpeed format) or a "
              "JSON object of options; overrides the config file's `zeropp:` key")
+    launch_parser.add_argument(
+        "--load_in_slices", action="store_true",
+        help="every from_pretrained in the script builds the model on the meta device, and sharding reads each "
+             "rank's own slices of its safetensors files (hf_zeropp.from_pretrained): no full copy on any rank. "
+             "A model used before it is prepared (moved, resized, run) fails: it has no weights until then")
     return launch_parser
 
 
@@ -96,6 +102,8 @@ def prepare(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
     config_file, settings = _accelerate_settings(args)
     value = _config_value(args, settings)
     environment = {"ZEROPP_CONFIG": json.dumps(_resolve(value, args, settings).to_dict())}
+    if args.load_in_slices:
+        environment[LOAD_IN_SLICES] = "1"
     _check_script_options(args.training_script_args)
     if _runs_on_cpu(args, settings):
         # Accelerate's torchrun path; each worker's Accelerator then runs on CPU with gloo

@@ -79,8 +79,13 @@ def from_pretrained(model_class: Any, name_or_path: str | Any, *args: Any, **kwa
     each rank its shards when the model is sharded. Without an initialised process group (one process) this is
     plain ``from_pretrained``. ``model_class`` is any transformers class with ``from_pretrained``
     (``AutoModelForCausalLM``, ``LlamaForCausalLM``...)."""
+    return load_in_slices(model_class.from_pretrained, name_or_path, *args, **kwargs)
+
+
+def load_in_slices(load: Callable[..., nn.Module], name_or_path: str | Any, *args: Any, **kwargs: Any) -> nn.Module:
+    """:func:`from_pretrained` with ``load`` (a ``from_pretrained`` method) doing the loading."""
     if not (dist.is_available() and dist.is_initialized()):
-        return model_class.from_pretrained(name_or_path, *args, **kwargs)
+        return load(name_or_path, *args, **kwargs)
     if "device_map" in kwargs:
         raise ValueError("hf_zeropp.from_pretrained places the weights itself (each rank reads its shards when the "
                          f"model is sharded); drop device_map={kwargs['device_map']!r}")
@@ -88,15 +93,15 @@ def from_pretrained(model_class: Any, name_or_path: str | Any, *args: Any, **kwa
     folder = SafetensorsFolder(directory) if directory is not None else None  # bad files fail here, on every rank
     # shapes are checked below, with the file and tensor named (transformers' own error names neither)
     tolerant = {**kwargs, "ignore_mismatched_sizes": True}
-    model = model_class.from_pretrained(name_or_path, *args, device_map="meta", **tolerant)
+    model = load(name_or_path, *args, device_map="meta", **tolerant)
     reason = _why_not_in_slices(model, folder, kwargs.get("ignore_mismatched_sizes", False))
     if reason is None:
         model._zeropp_checkpoint = folder
         return model
     warnings.warn(f"hf_zeropp.from_pretrained({str(name_or_path)!r}): {reason}, so rank 0 loads the whole model and "
-                  f"sends each rank its shards when it is sharded (one full copy on rank 0)", stacklevel=2)
+                  f"sends each rank its shards when it is sharded (one full copy on rank 0)", stacklevel=3)
     if dist.get_rank() == 0:
-        model = model_class.from_pretrained(name_or_path, *args, **kwargs)
+        model = load(name_or_path, *args, **kwargs)
     model._zeropp_loaded_by = f"rank 0 ({reason})"
     return model
 

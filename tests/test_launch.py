@@ -217,6 +217,31 @@ def test_trainer_script_with_zeropp_zero3_equals_stock_ddp(trainer_runs):
     assert torch.allclose(logits["zero3"], logits["stock"], rtol=1e-5, atol=1e-5)
 
 
+def test_load_in_slices_loads_the_scripts_pretrained_model_on_meta_and_equals_stock(tmp_path):
+    """``hf-zeropp launch --load_in_slices``: the script's ``AutoModelForCausalLM.from_pretrained`` returns the model
+    on the meta device on every rank, sharding reads each rank's slices of the checkpoint, and the Trainer's
+    losses, gradient norms and evaluation losses equal the same script under stock ``accelerate launch`` (every
+    rank loading the whole model) to 1e-6."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    pretrained = tmp_path / "pretrained"
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(pretrained)
+    script = str(SCRIPTS / "trainer_example.py")
+    stock = _stock_launch(script, "--output_dir", str(tmp_path / "stock"), "--model_name_or_path", str(pretrained),
+                          *TRAINER_ARGS)
+    ours = _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "--zeropp", "zero3", "--load_in_slices", script,
+                             "--output_dir", str(tmp_path / "sliced"), "--model_name_or_path", str(pretrained),
+                             *TRAINER_ARGS)
+    assert "from_pretrained returned a model on the meta device: False" in stock
+    assert "from_pretrained returned a model on the meta device: True" in ours
+    assert "from_pretrained builds on meta, each rank reads its slices" in ours
+    for key in ("loss", "grad_norm", "eval_loss"):
+        expected, got = _series(_logs(tmp_path / "stock"), key), _series(_logs(tmp_path / "sliced"), key)
+        assert _close(got, expected, EXACT), (key, got, expected)
+
+
 def test_trainer_deepspeed_flag_runs_zeropp_and_equals_zeropp_on_two_machines(trainer_runs):
     """``--deepspeed ds.json`` (stage 3 + zero_quantized_weights + zero_hpz_partition_size + zero_quantized_gradients),
     without DeepSpeed installed, equals ``--zeropp zeropp`` launched on two machines of 2 ranks (``--num_machines
