@@ -1,9 +1,9 @@
 """Network faults on the emulated cluster (2 nodes x 2 ranks, 100 Mbit/s links), during ZeRO++ training of the tiny
 GPT-2 (``tests/fault_worker.py`` under torchrun in every node's network namespace): packet loss on the links between
-nodes, a link flap, and the loss of a whole node. TCP retransmits what the link drops, so every run must end with exactly the losses of the
-run without faults; only its time may grow. A flap shorter than the process group's timeout must be ridden out the
-same way. Minutes of runs: marked slow (``bash scripts/test.sh -m slow -k network``); their results are in
-docs/reliability.md."""
+nodes (netem, or an eBPF dropper where the kernel has no netem), a link flap, and the loss of a whole node. TCP
+retransmits what the link drops, so every run must end with exactly the losses of the run without faults; only its
+time may grow. A flap shorter than the process group's timeout must be ridden out the same way. Minutes of runs:
+marked slow (``bash scripts/test.sh -m slow -k network``); their results are in docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_zeropp.testing.emulated_network import namespaces_problem, netem_problem
+from hf_zeropp.testing.emulated_network import loss_problem, namespaces_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 ZEROPP = {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True}
@@ -25,7 +25,7 @@ PG_TIMEOUT = 60  # seconds; longer than the flap
 FAULTS = {"none": [], "loss 1 %": ["--loss", "1"], "loss 5 %": ["--loss", "5"], "flap 5 s": ["--flap", "15,5"]}
 
 _PROBLEM = namespaces_problem()
-_NETEM = netem_problem() if _PROBLEM is None else _PROBLEM
+_LOSS = loss_problem() if _PROBLEM is None else _PROBLEM
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(_PROBLEM is not None, reason=f"emulated cluster unavailable: {_PROBLEM}")]
 
@@ -45,27 +45,40 @@ def _train(work: Path, name: str, fault: list[str]) -> dict:
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     counters = json.loads((work / f"{name}-counters.json").read_text())
     return {"losses": json.loads(losses.read_text())["losses"], "wall_s": wall, "flap": counters["flap"],
-            "sent": [node["delta"]["tx_packets"] for node in counters["per_node"]], "drops": counters["drops"]}
+            "sent": [node["delta"]["tx_packets"] for node in counters["per_node"]], "drops": counters["drops"],
+            "loss_by": counters["loss_by"]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("network_faults")
     results = {name: _train(work, name.replace(" ", "_").replace("%", "pct"), fault) for name, fault in FAULTS.items()
-               if _NETEM is None or not name.startswith("loss")}
+               if _LOSS is None or not name.startswith("loss")}
     for name, result in results.items():  # the figures docs/reliability.md reports
         print(f"{name}: {result['wall_s']:.1f} s, packets sent per node {result['sent']}, dropped {result['drops']}, "
+              f"loss by {result['loss_by']}, "
               f"flap {result['flap']}")
     return results
 
 
 @pytest.mark.parametrize("fault", [name for name in FAULTS if name != "none"])
 def test_training_through_a_network_fault_ends_with_the_same_losses(runs, fault):
-    if fault.startswith("loss") and _NETEM is not None:
-        pytest.skip(f"packet loss needs netem: {_NETEM}")
+    if fault.startswith("loss") and _LOSS is not None:
+        pytest.skip(f"packet loss cannot be emulated here: {_LOSS}")
     clean, faulty = runs["none"], runs[fault]
     assert len(faulty["losses"]) == STEPS
     assert faulty["losses"] == clean["losses"], "a fault the transport recovers from must not change any number"
+
+
+@pytest.mark.parametrize("fault, percent", [("loss 1 %", 1.0), ("loss 5 %", 5.0)])
+def test_the_links_dropped_the_asked_share_of_packets(runs, fault, percent):
+    """The loss really happened: every node's uplink dropped about ``percent`` % of the packets it sent (netem's or
+    the eBPF dropper's count), and the run without faults dropped none."""
+    if _LOSS is not None:
+        pytest.skip(f"packet loss cannot be emulated here: {_LOSS}")
+    assert all(node["uplink"] == 0 for node in runs["none"]["drops"])
+    for sent, drops in zip(runs[fault]["sent"], runs[fault]["drops"]):
+        assert 0.6 * percent <= 100 * drops["uplink"] / (sent + drops["uplink"]) <= 1.4 * percent, (sent, drops)
 
 
 def test_the_flap_happened_while_training_ran(runs):

@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                              "default 100mbit")
     parser.add_argument("--latency", type=parse_delay, default=None,
                         help="one-way delay on every node's uplink (tc netem), e.g. 1ms; default none")
-    parser.add_argument("--loss", type=float, default=0.0, help="percent of packets dropped on every uplink (netem)")
+    parser.add_argument("--loss", type=float, default=0.0,
+                        help="percent of packets dropped on every uplink (netem; an eBPF dropper where the kernel "
+                             "has no netem)")
     parser.add_argument("--flap", type=_flap, default=None, metavar="AT,FOR",
                         help="take the links down AT seconds after the launch for FOR seconds")
     parser.add_argument("--mtu", type=int, default=1500, help="MTU of the veth links; default 1500")
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
              "after": after[i], "delta": delta(before[i], after[i])} for i in range(args.nodes)]
         report["returncode"] = status
         report["drops"] = cluster.drops()
+        report["loss_by"] = cluster.loss_by
         for entry in report["per_node"]:
             d = entry["delta"]
             print(f"emulated_cluster: node {entry['node']} {cluster.interface}: sent {d['tx_bytes']} B "

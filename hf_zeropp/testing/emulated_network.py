@@ -1,6 +1,8 @@
 """The network half of the emulated cluster: Linux network namespaces joined by veth links through a bridge, each
-node's link shaped with ``tc`` (token bucket for the rate, ``netem`` for delay), the links' byte counters, and the
-checks that say whether this machine can build it (root, iproute2, namespaces). :mod:`.emulated_cluster` runs
+node's link shaped with ``tc`` (token bucket for the rate, ``netem`` for delay and packet loss), the links' byte
+counters, and the checks that say whether this machine can build it (root, iproute2, namespaces). On kernels without
+``sch_netem``, packet loss is a tiny eBPF program on the link's ``clsact`` egress hook that drops each packet with the
+given probability (``bpf_get_prandom_u32``), compiled from LLVM IR with ``llc``. :mod:`.emulated_cluster` runs
 torchrun on it."""
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PREFIX = "zpp-"
 _NS_RE = re.compile(r"^zpp-(\d+)-(?:n\d+|sw)$")
@@ -66,18 +70,78 @@ def namespaces_problem() -> str | None:
 
 
 def netem_problem() -> str | None:
-    """Why packet loss and delay cannot be emulated here (the kernel lacks sch_netem, or no namespaces), or None."""
+    """Why delay cannot be emulated here (the kernel lacks sch_netem, or no namespaces), or None."""
     problem = namespaces_problem()
     if problem:
         return problem
+    added = _on_probe_loopback(["qdisc", "add", "dev", "lo", "root", "netem", "loss", "1%"])
+    return None if added.returncode == 0 else f"this kernel has no netem qdisc (sch_netem): {added.stderr.strip()}"
+
+
+def loss_problem() -> str | None:
+    """Why packet loss cannot be emulated here (neither netem nor the eBPF dropper works), or None."""
+    netem = netem_problem()
+    if netem is None:
+        return None
+    if namespaces_problem() is not None:
+        return netem
+    try:
+        program = loss_program(1.0)
+    except SetupError as error:
+        return f"{netem}; and no eBPF dropper: {error}"
+    added = _on_probe_loopback(["qdisc", "add", "dev", "lo", "clsact"],
+                               ["filter", "add", "dev", "lo", "egress", "bpf", "da", "obj", str(program), "sec",
+                                "classifier"])
+    return None if added.returncode == 0 else f"{netem}; and no eBPF dropper: {added.stderr.strip()}"
+
+
+def _on_probe_loopback(*tc_commands: list[str]) -> subprocess.CompletedProcess:
+    """Run ``tc`` commands on the loopback of a throwaway namespace; the last one's result."""
     probe, ip, tc = f"{PREFIX}{os.getpid()}-n0", find_tool("ip"), find_tool("tc")
     subprocess.run([ip, "netns", "add", probe], capture_output=True)
     try:
-        added = subprocess.run([ip, "netns", "exec", probe, tc, "qdisc", "add", "dev", "lo", "root", "netem",
-                                "loss", "1%"], capture_output=True, text=True)
+        for command in tc_commands:
+            done = subprocess.run([ip, "netns", "exec", probe, tc, *command], capture_output=True, text=True)
+            if done.returncode != 0:
+                break
     finally:
         subprocess.run([ip, "netns", "del", probe], capture_output=True)
-    return None if added.returncode == 0 else f"this kernel has no netem qdisc (sch_netem): {added.stderr.strip()}"
+    return done
+
+
+_DROPPER_IR = """target datalayout = "e-m:e-p:64:64-i64:64-i128:128-n32:64-S128"
+target triple = "bpf"
+
+@_license = dso_local global [4 x i8] c"GPL\\00", section "license", align 1
+
+define dso_local i32 @drop_random(i8* nocapture readnone %skb) section "classifier" {
+entry:
+  %prandom = inttoptr i64 7 to i64 ()*
+  %draw = call i64 %prandom()
+  %low = trunc i64 %draw to i32
+  %bucket = urem i32 %low, 1000000
+  %drop = icmp ult i32 %bucket, THRESHOLD
+  %verdict = select i1 %drop, i32 2, i32 0
+  ret i32 %verdict
+}
+"""  # helper 7 = bpf_get_prandom_u32; verdict 2 = TC_ACT_SHOT (drop), 0 = TC_ACT_OK
+
+
+def loss_program(percent: float) -> Path:
+    """An eBPF object (tc direct-action classifier) that drops ``percent`` % of the packets, compiled with llc."""
+    llc = find_tool("llc")
+    if llc is None:
+        raise SetupError("llc (LLVM's compiler, with the BPF target) is not installed")
+    threshold = round(percent * 10_000)  # drops per million packets
+    folder = Path(tempfile.gettempdir()) / f"zpp-dropper-{threshold}"
+    folder.mkdir(exist_ok=True)
+    source = folder / "dropper.ll"
+    source.write_text(_DROPPER_IR.replace("THRESHOLD", str(threshold)))
+    done = subprocess.run([llc, "-march=bpf", "-filetype=obj", str(source), "-o", str(folder / "dropper.o")],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SetupError(f"llc could not build the eBPF dropper: {done.stderr.strip()}")
+    return folder / "dropper.o"
 
 
 def parse_rate(text: str) -> int | None:
@@ -112,12 +176,13 @@ class Cluster:
     rate_bits: int | None
     delay_s: float | None
     mtu: int
-    loss_percent: float = 0.0  # packets netem drops on every node's uplink
+    loss_percent: float = 0.0  # packets dropped on every node's uplink (netem, else the eBPF dropper)
     prefix: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
     ip: str = field(default_factory=lambda: find_tool("ip") or "ip")
     tc: str = field(default_factory=lambda: find_tool("tc") or "tc")
     created: list[str] = field(default_factory=list)
     interface: str = "veth0"  # node-side interface name (names are per namespace)
+    loss_by: str | None = None  # what drops the packets of loss_percent
 
     @property
     def switch(self) -> str:
@@ -169,11 +234,15 @@ class Cluster:
                      *(["loss", f"{self.loss_percent:g}%"] if self.loss_percent else [])]
             proc = self.ns(namespace, self.tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", *netem,
                            "limit", "100000", check=False)
-            if proc.returncode != 0:
+            if proc.returncode == 0:
+                self.loss_by = "netem"
+                parent = ["parent", "1:"]
+            elif self.delay_s:
                 raise SetupError(
-                    f"--latency and --loss need the kernel's netem qdisc (sch_netem), which this kernel does not offer "
-                    f"({proc.stderr.strip()}); run without them, or on a kernel with sch_netem")
-            parent = ["parent", "1:"]
+                    f"--latency needs the kernel's netem qdisc (sch_netem), which this kernel does not offer "
+                    f"({proc.stderr.strip()}); run without it, or on a kernel with sch_netem")
+            else:
+                self._drop_randomly(namespace, device)
         if self.rate_bits is None:
             return
         rate_bytes = self.rate_bits / 8
@@ -183,6 +252,14 @@ class Cluster:
         limit = int(max(rate_bytes * 0.05, 2 * burst))
         self.ns(namespace, self.tc, "qdisc", "add", "dev", device, *parent, "handle", "10:", "tbf", "rate",
                 str(self.rate_bits), "burst", str(burst), "limit", str(limit))
+
+    def _drop_randomly(self, namespace: str, device: str) -> None:
+        """``loss_percent`` % packet loss without netem: the eBPF dropper on the device's egress hook."""
+        program = loss_program(self.loss_percent)
+        self.ns(namespace, self.tc, "qdisc", "add", "dev", device, "clsact")
+        self.ns(namespace, self.tc, "filter", "add", "dev", device, "egress", "bpf", "da", "obj", str(program),
+                "sec", "classifier")
+        self.loss_by = "eBPF dropper on the clsact egress hook (netem is missing)"
 
     def set_links(self, up: bool) -> None:
         """Every node's link up or down at the switch (a flap of the fabric between nodes; traffic inside a node
@@ -218,7 +295,8 @@ class Cluster:
         return result
 
     def drops(self) -> list[dict[str, int]]:
-        """Per node, packets its link's queues have dropped so far (uplink at the node, downlink at the switch)."""
+        """Per node, packets its link's queues (and the eBPF dropper) have dropped so far (uplink at the node,
+        downlink at the switch)."""
         def dropped(namespace: str, device: str) -> int:
             shown = self.ns(namespace, self.tc, "-s", "-j", "qdisc", "show", "dev", device, check=False).stdout
             return sum(q.get("drops", 0) for q in json.loads(shown or "[]"))
