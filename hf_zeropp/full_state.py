@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from .frozen import frozen_stores
-from .hf_checkpoint import INDEX_FILE, WEIGHTS_FILE, CheckpointSource, SafetensorsFolder, plan_reads, read_shards
+from .hf_checkpoint import (INDEX_FILE, WEIGHTS_FILE, CheckpointSource, SafetensorsFolder, aliases, plan_reads,
+                            read_shards)
 from .hpz import reshard_all
 
 # How long rank 0 waits for the other ranks to join a consolidating save or load before it names the missing ones.
@@ -66,11 +67,9 @@ def _share_tied_tensors(model: nn.Module, state: dict[str, Any]) -> dict[str, An
     Consolidation gathers each name on its own, so tied names come back as equal but separate tensors; transformers
     writes a tied duplicate only once when the two share storage, as in a stock ``state_dict()``, so without this the
     saved file would hold the matrix twice (vocabulary x hidden size more bytes than stock writes)."""
-    first_name: dict[int, str] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        owner = first_name.setdefault(id(parameter), name)
-        if owner != name and owner in state and name in state:
-            state[name] = state[owner]
+    for first, *others in aliases(model, state):
+        for name in others:
+            state[name] = state[first]
     return state
 
 
