@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .full_state import consolidated_state_dict
-from .hf_checkpoint import write_pretrained, writes_per_rank
+from .hf_checkpoint import MAX_SHARD_SIZE, write_pretrained, writes_per_rank
 from .hpz import reshard_all
 
 META_FILE = "zeropp_meta.json"
@@ -282,7 +282,7 @@ def latest_trainer_checkpoint(output_dir: str | os.PathLike, prefix: str = "chec
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: Any) -> Path:
     """Write the sharded model as a ``from_pretrained``-loadable folder, atomically (collective).
 
-    Every rank writes its own slices and a share of the standard safetensors files
+    Every rank writes its own rows of the standard safetensors files
     (:func:`hf_zeropp.hf_checkpoint.write_pretrained`); no rank gathers the model. The folder loads without
     hf_zeropp installed. Other models (and arguments the per-rank writer does not take) are consolidated on rank 0
     and written by the model's own ``save_pretrained``.
@@ -294,7 +294,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: An
     full_state = {} if per_rank else consolidated_state_dict(model, control_group)
     partial = _begin(directory)
     if per_rank:
-        write_pretrained(model, partial, kwargs.get("max_shard_size", "50GB"), control_group)
+        write_pretrained(model, partial, kwargs.get("max_shard_size", MAX_SHARD_SIZE), control_group)
     elif _rank() == 0:
         if not hasattr(model, "save_pretrained"):
             torch.save(full_state, partial / "pytorch_model.bin")

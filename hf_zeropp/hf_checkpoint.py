@@ -3,9 +3,9 @@
 Loading: :func:`hf_zeropp.from_pretrained` builds the model on the meta device on every rank and attaches the
 folder it came from (:class:`SafetensorsFolder`, checked when opened: missing files, truncated files, no weights).
 :func:`hf_zeropp.shard_model` then gives every rank its own slices of each tensor, read from the files through torch
-DCP (its Hugging Face reader, opening the file per tensor; safetensors' ``get_slice``: only the slice is read). Frozen weights stored INT8 are
-quantized from the rank's own rows. Parameters that a wrapper added after loading (peft's LoRA adapters) are built
-by their own init, from one seed on every rank.
+DCP (its Hugging Face reader, opening the file per tensor; safetensors' ``get_slice``: only the slice is read).
+Frozen weights stored INT8 are quantized from the rank's own rows. Parameters that a wrapper added after loading
+(peft's LoRA adapters) are built by their own init, from one seed on every rank.
 
 Saving: the standard files are laid out from the tensors' global shapes (the same on every rank); rank 0 writes
 each file's header and every rank writes its own rows of each tensor at their offset in the file, straight from
@@ -40,6 +40,7 @@ from torch.futures import Future
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PARTIAL = ".zeropp-weights.partial"
+MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ def writes_per_rank(model: nn.Module, arguments: dict[str, Any] | None = None) -
             and arguments.get("safe_serialization", True) is not False)
 
 
-def write_pretrained(model: nn.Module, directory: str | os.PathLike, max_shard_size: int | str = "50GB",
+def write_pretrained(model: nn.Module, directory: str | os.PathLike, max_shard_size: int | str = MAX_SHARD_SIZE,
                      control_group: dist.ProcessGroup | None = None) -> Path:
     """Write the sharded ``model`` as a Hugging Face safetensors folder from every rank (collective).
 

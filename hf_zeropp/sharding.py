@@ -31,7 +31,7 @@ from .config import ZeroPPConfig
 from .frozen import quantize_frozen_weights
 from .full_state import (consolidate, consolidated_state_dict, expect_every_rank, holds_dtensors, is_loading_full_state,
                          load_full_state_dict)
-from .hf_checkpoint import write_pretrained, writes_per_rank
+from .hf_checkpoint import MAX_SHARD_SIZE, write_pretrained, writes_per_rank
 from .hpz import shared_hpz_mesh
 from .hybrid import check_hybrid_fits, install_hybrid_all_reduce
 from .inference import route_generate
@@ -313,7 +313,7 @@ class ZeroPPModule:
         writer_arguments = {k: v for k, v in named.items() if k not in ("self", "save_directory", "state_dict")}
         if state_dict is None and writes_per_rank(self, writer_arguments):
             expect_every_rank(control_group, "save_pretrained")
-            write_pretrained(self, save_directory, named.get("max_shard_size", "50GB"), control_group)
+            write_pretrained(self, save_directory, named.get("max_shard_size", MAX_SHARD_SIZE), control_group)
             return None
         if state_dict is None:
             state_dict = consolidated_state_dict(self, control_group)
