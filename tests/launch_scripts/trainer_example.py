@@ -44,6 +44,8 @@ def main() -> None:
     trainer.train()
     trainer.save_model()
     trainer.save_state()
+    if torch.distributed.is_initialized():  # as torch asks: otherwise gloo may abort a rank at interpreter exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
