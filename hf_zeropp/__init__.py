@@ -4,12 +4,15 @@ for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSp
 from .accelerate_integration import Accelerator
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
 from .config import PRESETS, ZeroPPConfig
+from .failure_report import install as _report_failures_to_the_launcher
 from .inference import gathered_for_inference
 from .materialize import from_pretrained
 from .runtime import active_techniques, comm_stats, gathered_parameter_bytes, no_sync, set_techniques, state_bytes
 from .sharding import shard_model
 
 __version__ = "0.1.0"
+
+_report_failures_to_the_launcher()  # only in a torchrun worker: see hf_zeropp.failure_report
 
 from .trainer import (  # noqa: E402  (needs transformers; imported last)
     ZeroPPCallback,

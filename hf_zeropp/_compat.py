@@ -46,6 +46,7 @@ UPSTREAM: dict[str, str] = {
     "apply_activation_checkpointing": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
                                       ".apply_activation_checkpointing",
     "process_group_timeout": "ProcessGroup._get_backend(device).options._timeout",
+    "default_store": "torch.distributed.distributed_c10d._get_default_store",
     "local_tensor": "torch.distributed.tensor.DTensor._local_tensor",
     "no_split_modules": "transformers.PreTrainedModel._no_split_modules",
     "run_init_with_hooks": "transformers.PreTrainedModel._initialize_weights (+ initialize_weights)",
@@ -285,6 +286,13 @@ def process_group_timeout(group: dist.ProcessGroup, device_type: str) -> Any:
     not expose it), so hf_zeropp's own groups can inherit the world group's."""
     backend = group._get_backend(torch.device(device_type))
     return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
+# checked: torch 2.13
+def default_store() -> dist.Store:
+    """``distributed_c10d._get_default_store()``: the store the world group was built on (the launcher's, under
+    torchrun), which outlives a failed collective."""
+    return dist.distributed_c10d._get_default_store()
 
 
 # checked: torch 2.13

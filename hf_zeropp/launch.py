@@ -275,18 +275,22 @@ def _worker_entry(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _first_failure(error: Exception) -> str:
-    """The traceback of the rank that failed first (torchrun's record of it; the workers run under ``record``), so
-    that the cause is the last thing on the screen, below every other rank's timeouts and torchrun's summary."""
+    """The traceback of the rank that failed first (torchrun's record of it, written by
+    :mod:`hf_zeropp.failure_report`), so that the cause is the last thing on the screen, below every other rank's
+    timeouts and torchrun's summary."""
     failures = getattr(error, "failures", None)
     if not failures:
         return f"hf-zeropp launch: the workers failed ({type(error).__name__}: {error})"
     # torchrun's own "first failure" compares timestamps in whole seconds; the error files' times are finer
     rank, failure = min(failures.items(), key=lambda item: (_written_at(item[1].error_file), item[0]))
-    message = failure.message
-    if isinstance(message, dict):
+    message, first = failure.message, rank
+    if isinstance(message, dict):  # written by hf_zeropp.failure_report: it knows the job's first failure
+        first = int(message.get("extraInfo", {}).get("first_failed_rank", rank))
         message = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
     cause = str(message).strip() or f"no traceback recorded (signal or exit code {failure.exitcode}); see above"
-    return f"hf-zeropp launch: the workers failed; rank {rank} failed first (exit code {failure.exitcode}):\n{cause}"
+    where = (f"exit code {failure.exitcode}" if first == rank else
+             f"on another machine; here rank {rank} failed after it, exit code {failure.exitcode}")
+    return f"hf-zeropp launch: the workers failed; rank {first} failed first ({where}):\n{cause}"
 
 
 def _written_at(path: str) -> float:

@@ -117,6 +117,9 @@ def test_torch_fsdp2_internals(one_rank_group):
 
     with entry("process_group_timeout"):
         assert _compat.process_group_timeout(dist.group.WORLD, "cpu") == one_rank_group
+    with entry("default_store"):
+        store = _compat.default_store()
+        assert store.add("compat/counter", 1) == 1 and store.add("compat/counter", 1) == 2
 
     with entry("AllGather"):
         assert isinstance(_compat.AllGather, type), _compat.AllGather

@@ -325,6 +325,60 @@ def test_a_failing_worker_ends_the_launch_with_its_traceback(tmp_path):
     assert ending[1].startswith("Traceback") and ending[-1] == "RuntimeError: rank 1 fails on purpose"
 
 
+FAILS_ON_ONE_RANK = str(SCRIPTS / "zeropp_fails_on_one_rank.py")
+FIRST_FAILURE = "RuntimeError: rank 3 fails on purpose"
+
+
+def _on_two_machines(command: list[str], machine_rank_flag: str) -> list[str]:
+    """``command`` started once per emulated machine (2 x 2 ranks on this one, rank 3 failing); each one's output."""
+    port = _port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIL_RANK": "3"}
+    machines = [subprocess.Popen([*command[:-1], machine_rank_flag, str(machine), "--main_process_port" if
+                                  command[0].endswith("hf-zeropp") else "--master_port", port, command[-1]], cwd=ROOT,
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for machine in range(2)]
+    outputs = [machine.communicate(timeout=180)[0] for machine in machines]
+    assert all(machine.returncode != 0 for machine in machines), outputs
+    return outputs
+
+
+def _summary_ends_with_first_failure(output: str) -> None:
+    """torchrun's summary ends with its root cause's traceback: the first failure's, whichever rank it names."""
+    root_cause = output[output.rindex("Root Cause (first observed failure)"):].rstrip("=\n ").splitlines()
+    assert root_cause[-1].strip() == FIRST_FAILURE, "\n".join(root_cause)
+    assert "To enable traceback" not in "\n".join(root_cause)
+
+
+def test_under_stock_torchrun_every_machine_ends_with_the_first_failures_traceback():
+    """Machine 0's ranks only fail because rank 3 (machine 1) died: torchrun names one of them as its root cause, and
+    hf_zeropp's error file makes it end with rank 3's traceback."""
+    outputs = _on_two_machines([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+                                "2", "--master_addr", "127.0.0.1", FAILS_ON_ONE_RANK], "--node_rank")
+    assert "Rank 3 failed before this rank; its traceback:" in outputs[0]
+    for output in outputs:
+        _summary_ends_with_first_failure(output)
+
+
+def test_under_stock_accelerate_launch_the_summary_ends_with_the_failing_ranks_traceback():
+    result = subprocess.run([str(BIN / "accelerate"), "launch", "--config_file", str(STOCK_CPU), "--main_process_port",
+                             _port(), FAILS_ON_ONE_RANK], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "FAIL_RANK": "3",
+                                 "ZEROPP_NODE_SIZE": "2"})
+    assert result.returncode != 0
+    _summary_ends_with_first_failure(result.stderr)
+
+
+def test_the_launcher_on_two_machines_names_the_first_failure_on_both():
+    outputs = _on_two_machines([str(BIN / "hf-zeropp"), "launch", "--config_file", str(STOCK_CPU), "--num_processes",
+                                "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1", FAILS_ON_ONE_RANK],
+                               "--machine_rank")
+    for machine, output in enumerate(outputs):
+        ending = output[output.rindex("hf-zeropp launch: the workers failed"):].strip().splitlines()
+        here = "exit code 1" if machine == 1 else r"on another machine; here rank [01] failed after it, exit code -?\d+"
+        assert re.fullmatch(rf"hf-zeropp launch: the workers failed; rank 3 failed first \({here}\):", ending[0])
+        assert ending[-1] == FIRST_FAILURE
+
+
 def _refused(capsys, *argv: str) -> str:
     """``hf-zeropp launch ARGV`` in this process: status 2 and one line naming the problem, no worker started."""
     code = launch(list(argv))

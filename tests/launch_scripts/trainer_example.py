@@ -44,8 +44,8 @@ def main() -> None:
     trainer.train()
     trainer.save_model()
     trainer.save_state()
-    if torch.distributed.is_initialized():  # as torch asks: otherwise gloo may abort a rank at interpreter exit
-        torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():  # no rank exits (gloo may abort it at exit) before rank 0 has written
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":
