@@ -18,8 +18,9 @@ script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes the
   rank reads its own slices when it is sharded.
 
 Rank 0 says in one line what was installed and the resolved config, and at exit, for each model sharded outside the
-Trainer (whose logs carry them), the bytes it sent intra and inter node. ``import hf_zeropp`` installs nothing;
-:func:`install` does, :func:`uninstall` undoes it.
+Trainer (whose logs carry them), the bytes it sent intra and inter node. ``import hf_zeropp`` replaces none
+of these names (in a torchrun worker it only adds :mod:`hf_zeropp.failure_report`'s excepthook); :func:`install`
+does, :func:`uninstall` undoes it.
 
 At exit every worker destroys its process group while the interpreter is still whole: gloo's worker threads can
 otherwise still hold finished work when Python finalizes, and the process aborts (SIGABRT, "terminate called without

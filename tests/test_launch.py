@@ -349,6 +349,18 @@ def _summary_ends_with_first_failure(output: str) -> None:
     assert "To enable traceback" not in "\n".join(root_cause)
 
 
+def test_a_failure_before_the_process_group_exists_writes_its_own_traceback(tmp_path):
+    """No store to order failures by: the error file holds this rank's traceback, and the exception still prints."""
+    error_file = tmp_path / "error.json"
+    result = subprocess.run([sys.executable, "-c", "import hf_zeropp\nraise ValueError('bad data path')"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert result.returncode == 1 and result.stderr.strip().endswith("ValueError: bad data path")
+    message = json.loads(error_file.read_text())["message"]
+    assert message["message"] == "ValueError: bad data path" and "first_failed_rank" not in message["extraInfo"]
+    assert message["extraInfo"]["py_callstack"].strip().endswith("ValueError: bad data path")
+
+
 def test_under_stock_torchrun_every_machine_ends_with_the_first_failures_traceback():
     """Machine 0's ranks only fail because rank 3 (machine 1) died: torchrun names one of them as its root cause, and
     hf_zeropp's error file makes it end with rank 3's traceback."""
