@@ -1,4 +1,5 @@
-"""The traceback of the rank that failed first, as the last thing a failed launch prints.
+"""hf_zeropp under torchrun's failure handling: the traceback of the rank that failed first, as the last thing a
+failed launch prints, and restarts that can bring the workers back.
 
 torchrun (and ``accelerate launch``, and ``hf-zeropp launch``, which both run torchrun's agent) ends a failed job with
 a summary whose last entry is the "root cause": among the ranks of its own node, the one whose failure it saw first,
@@ -11,6 +12,12 @@ writes that error file, as torch's ``record`` decorator does, and orders the fai
 first rank to fail publishes its traceback, and every later one appends it to its own. Whichever rank a node's agent
 names, the summary ends with the first failure's traceback. Without a process group (a failure before
 ``init_process_group``) the rank's own traceback is written; the store is given a few seconds at most.
+
+Restarts (``torchrun --max-restarts``) on torch 2.13 with gloo bring the workers back only through the c10d
+rendezvous, with a fresh store for every rendezvous round. The default store is shared by all rounds, so a restarted
+worker reads the previous attempt's gloo addresses and fails with "Connection refused" (pytorch#135712); under the
+static rendezvous the surviving nodes never join a new round. Stock scripts fail the same way; hf_zeropp says so on
+rank 0 when restarts are asked for without that fix (:func:`restart_problem`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -29,6 +37,9 @@ import torch.distributed as dist
 from ._compat import default_store
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+FRESH_STORE_VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+RESTART_FIX = (f"set {FRESH_STORE_VARIABLE}=1 and use the c10d rendezvous (torchrun --rdzv-backend c10d, or "
+               f"--standalone on one machine)")
 FIRST_FAILURE_KEY = "hf_zeropp/first_failure"
 FAILURE_COUNT_KEY = "hf_zeropp/failures"
 STORE_TIMEOUT = timedelta(seconds=5)
@@ -42,6 +53,21 @@ def install() -> None:
     if _previous_hook is None and os.environ.get(ERROR_FILE_VARIABLE):
         _previous_hook = sys.excepthook
         sys.excepthook = _report_then_print
+        problem = restart_problem(os.environ)
+        if problem and os.environ.get("RANK") == "0":
+            warnings.warn(f"hf_zeropp: {problem}", stacklevel=3)
+
+
+def restart_problem(environment: dict[str, str] | os._Environ) -> str | None:
+    """Why torchrun's restarts of these workers would fail, or None. Read from the worker's environment, which
+    carries the agent's: the restart count it allows and whether its rendezvous store is shared by all rounds."""
+    restarts = int(environment.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    if restarts == 0 or environment.get(FRESH_STORE_VARIABLE) == "1":
+        return None
+    return (f"torchrun may restart these workers (TORCHELASTIC_MAX_RESTARTS={restarts}), but its rendezvous store "
+            f"is shared by every restart ({FRESH_STORE_VARIABLE} is not 1): a restarted worker would read the "
+            f"previous attempt's gloo addresses and fail with 'Connection refused' (pytorch#135712). To restart, "
+            f"{RESTART_FIX}")
 
 
 def _report_then_print(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from .config import ZeroPPConfig
+from .failure_report import FRESH_STORE_VARIABLE
 from .topology import Topology
 
 CONFIG_KEY = "zeropp"
@@ -105,6 +106,7 @@ def prepare(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
     if args.load_in_slices:
         environment[LOAD_IN_SLICES] = "1"
     _check_script_options(args.training_script_args)
+    environment.update(_restart_environment(args, settings))
     if _runs_on_cpu(args, settings):
         # Accelerate's torchrun path; each worker's Accelerator then runs on CPU with gloo
         args.cpu, args.multi_gpu = False, True
@@ -115,6 +117,18 @@ def prepare(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
         Path(args.config_file).write_text(yaml.safe_dump(settings))
     environment.update(_worker_entry(args))
     return environment
+
+
+def _restart_environment(args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, str]:
+    """``--max_restarts``: restarted workers come back only through the c10d rendezvous with a fresh store per round
+    (:mod:`hf_zeropp.failure_report`), so the static rendezvous is refused and the fresh store is asked for."""
+    if not getattr(args, "max_restarts", 0):
+        return {}
+    backend = args.rdzv_backend if args.rdzv_backend != "static" else settings.get("rdzv_backend", "static")
+    if backend == "static":
+        raise LaunchError(f"--max_restarts {args.max_restarts} needs --rdzv_backend c10d: under the static rendezvous "
+                          f"restarted workers cannot rejoin the others")
+    return {FRESH_STORE_VARIABLE: "1"}
 
 
 def _check_script(args: argparse.Namespace) -> None:

@@ -426,6 +426,26 @@ def test_bad_input_is_one_line_before_any_worker_starts(tmp_path, capsys):
     assert "module 'no_such_module_here' (-m) is not importable" in line
     line = _refused(capsys, "--config_file", str(STOCK_CPU), "--zeropp", "zero4", script)
     assert "zero4" in line and "neither a preset" in line
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), "--max_restarts", "1", script)
+    assert "--max_restarts 1 needs --rdzv_backend c10d" in line
+
+
+def test_restarts_get_a_fresh_store_per_round_and_stock_torchrun_is_told_how(tmp_path):
+    """The launcher asks torchrun for a fresh rendezvous store per round when workers may restart; a worker under
+    stock torchrun that may restart without one names the fix (a restarted worker would read stale addresses)."""
+    from hf_zeropp.failure_report import restart_problem
+    from hf_zeropp.launch import parser, prepare
+
+    args = parser().parse_args(["--config_file", str(STOCK_CPU), "--max_restarts", "1", "--rdzv_backend", "c10d",
+                                str(SCRIPTS / "trainer_example.py")])
+    assert prepare(args, tmp_path)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    args = parser().parse_args(["--config_file", str(STOCK_CPU), str(SCRIPTS / "trainer_example.py")])
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in prepare(args, tmp_path)
+    assert restart_problem({"TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert restart_problem({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) is None
+    problem = restart_problem({"TORCHELASTIC_MAX_RESTARTS": "2"})
+    assert "TORCHELASTIC_MAX_RESTARTS=2" in problem and "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem
+    assert "--rdzv-backend c10d" in problem
 
 
 def test_the_console_script_refuses_before_starting_workers(tmp_path):

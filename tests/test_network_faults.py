@@ -93,16 +93,19 @@ def test_the_flap_happened_while_training_ran(runs):
 NODE_LOSS_STEPS, NODE_LOSS_AT, SAVE_EVERY = 10, 7, 2
 
 
-def _trainer_on_the_cluster(work: Path, name: str, output_dir: str, zeropp: dict, kill_node_at: int | None) -> dict:
+def _trainer_on_the_cluster(work: Path, name: str, output_dir: str, zeropp: dict, kill_node_at: int | None,
+                            max_restarts: int = 0) -> dict:
     """``tests/trainer_worker.py`` (ZeroPPTrainer, checkpoints every ``SAVE_EVERY`` steps into ``output_dir``,
-    resuming from the newest complete one there if any) on 2 emulated nodes x 2 ranks."""
+    resuming from the newest complete one there if any) on 2 emulated nodes x 2 ranks; torchrun restarts a node's
+    workers up to ``max_restarts`` times (the node loss then happens in the first attempt only)."""
     spec = {"output_dir": output_dir, "max_steps": NODE_LOSS_STEPS, "save_steps": SAVE_EVERY, "pg_timeout": 30,
             "resume": "latest", "zeropp": {**zeropp, "node_size": 2}, "result": str(work / f"{name}.json")}
     if kill_node_at is not None:
         spec["kill_node_at_step"] = kill_node_at
     (work / f"{name}-spec.json").write_text(json.dumps(spec))
     command = [sys.executable, "-m", "hf_zeropp.testing.emulated_cluster", "--nodes", "2", "--nproc-per-node", "2",
-               "--link", "1gbit", "--grace", "60", "--", str(ROOT / "tests" / "trainer_worker.py"),
+               "--link", "1gbit", "--grace", "60", "--max-restarts", str(max_restarts), "--",
+               str(ROOT / "tests" / "trainer_worker.py"),
                str(work / f"{name}-spec.json")]
     start = time.monotonic()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -132,3 +135,23 @@ def test_a_lost_node_ends_the_job_and_the_rerun_resumes_from_the_last_checkpoint
     expected = clean["result"]["losses"]
     assert sorted(map(int, rerun["result"]["losses"])) == list(range(last_saved + 1, NODE_LOSS_STEPS + 1))
     assert rerun["result"]["losses"] == {step: expected[step] for step in rerun["result"]["losses"]}, (rerun, clean)
+
+
+@pytest.mark.parametrize("preset", ["zero3", "zeropp"])
+def test_a_lost_node_restarted_by_torchrun_finishes_the_job_with_the_same_losses(tmp_path, preset):
+    """``torchrun --max-restarts 1`` on every node, with the c10d rendezvous and a fresh store per round: node 1's
+    agent restarts its killed workers, node 0's agent sees them waiting and restarts its own, and the new workers
+    resume from checkpoint-6 inside the same job, which ends with status 0 and the uninterrupted run's losses for
+    steps 7-10 (bit-exact)."""
+    zeropp = {"stage": 3} if preset == "zero3" else ZEROPP
+    clean = _trainer_on_the_cluster(tmp_path, "clean", str(tmp_path / "clean"), zeropp, None)
+    restarted = _trainer_on_the_cluster(tmp_path, "restarted", str(tmp_path / "job"), zeropp, NODE_LOSS_AT,
+                                        max_restarts=1)
+    print(f"{preset}: clean {clean['wall_s']:.1f} s; with node 1 lost at step {NODE_LOSS_AT} and restarted by "
+          f"torchrun, the job took {restarted['wall_s']:.1f} s")
+    assert clean["returncode"] == 0 and restarted["returncode"] == 0, restarted["log"]
+    last_saved = NODE_LOSS_AT - NODE_LOSS_AT % SAVE_EVERY
+    assert restarted["result"]["started_at_step"] == last_saved, restarted["result"]
+    expected = clean["result"]["losses"]
+    assert sorted(map(int, restarted["result"]["losses"])) == list(range(last_saved + 1, NODE_LOSS_STEPS + 1))
+    assert restarted["result"]["losses"] == {step: expected[step] for step in restarted["result"]["losses"]}

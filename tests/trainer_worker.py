@@ -55,7 +55,8 @@ def main() -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             node = int(os.environ.get("GROUP_RANK", "0"))
-            if node == 1 and state.global_step == spec.get("kill_node_at_step"):
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a restarted node survives
+            if node == 1 and first_attempt and state.global_step == spec.get("kill_node_at_step"):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # written as it happens: a crash may follow

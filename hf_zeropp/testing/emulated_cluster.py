@@ -27,7 +27,10 @@ collide, and leftovers of dead runs with that prefix are removed at start):
 
 Each node runs ``torchrun --nnodes N --node_rank i --nproc_per_node D --master_addr <node 0's address>`` with
 ``GLOO_SOCKET_IFNAME`` set to the node's veth, followed by the command given after ``--`` (with ``--raw`` the
-command runs as is, once per node, with ``ZPP_NODE_RANK``/``ZPP_MASTER_ADDR``/``ZPP_NODE_ADDRS`` set). Output
+command runs as is, once per node, with ``ZPP_NODE_RANK``/``ZPP_MASTER_ADDR``/``ZPP_NODE_ADDRS`` set). With
+``--max-restarts N`` the nodes instead meet through torchrun's c10d rendezvous on node 0's address, each agent restarts
+its workers up to N times, and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every rendezvous round a fresh store
+(:func:`hf_zeropp.failure_report.restart_problem` says why both are needed). Output
 lines are prefixed with ``[n<i>]``. The veth byte/packet counters of every node are read before and after the run
 and printed (and written to ``--counters-json``). Namespaces, links and the processes this script started are
 always removed (normal exit, errors, Ctrl-C, SIGTERM).
@@ -148,6 +151,18 @@ def _signal_to_exception(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _rendezvous(args: argparse.Namespace, node: int, addresses: list[str]) -> list[str]:
+    """torchrun's options for meeting the other nodes: static (fixed node ranks), or c10d when workers restart (a
+    node's restarted workers must join the others' new round, which only the c10d rendezvous has)."""
+    if not args.max_restarts:
+        return ["--node_rank", str(node), "--master_addr", addresses[0], "--master_port", str(args.master_port)]
+    # torchrun finds a node's address, and whether it hosts the store, from the host name: inside a namespace that
+    # is the machine's, so both are given
+    return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addresses[0]}:{args.master_port}",
+            "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", addresses[node],
+            "--rdzv-id", f"emulated-cluster-{os.getpid()}", "--max-restarts", str(args.max_restarts)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -179,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the command itself once per node instead of under torchrun")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [n<i>]")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs torchrun; default this one")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restarts of each node's workers after a failure (torchrun's c10d rendezvous); default 0")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds the other nodes get to exit after one node failed; default 30")
     args = parser.parse_args(argv)
@@ -232,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                 node_cmd = command
             else:
                 node_cmd = [args.python, "-m", "torch.distributed.run", "--nnodes", str(args.nodes),
-                            "--node_rank", str(i), "--nproc_per_node", str(args.nproc_per_node),
-                            "--master_addr", addresses[0], "--master_port", str(args.master_port), *command]
+                            "--nproc_per_node", str(args.nproc_per_node), *_rendezvous(args, i, addresses),
+                            *command]
+                if args.max_restarts:
+                    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             launcher.start(i, [cluster.ip, "netns", "exec", cluster.namespace(i), *node_cmd], env,
                            prefix_output=not args.no_prefix)
         if args.flap is not None:
