@@ -88,6 +88,7 @@ def analyse(link_results: dict[str, dict], args) -> dict:
         summary["links"][link] = {"rows": rows, "probe": res.get("probe"), "params": res["params"],
                                   "loadavg_before_after": res.get("loadavg_before_after"),
                                   "tokens_per_step": tokens_per_step, "implementations": res["implementations"],
+                                  "not_run": res.get("not_run", {}),
                                   "emulator": {k: v for k, v in res["emulator"].items() if k != "command"}}
     summary["targets"] = targets(summary["links"])
     return summary

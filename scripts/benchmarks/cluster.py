@@ -67,7 +67,7 @@ import time
 
 
 from .analysis import analyse, targets
-from .configs import CONFIGS, LINKS
+from .configs import CONFIGS, DEEPSPEED, LINKS
 from .orchestrate import output_folder, parse_cli, requirements_problem, run_link, run_links
 from .report import chart, markdown, write
 from .wire import KINDS, expected_node_wire, wire_factors
@@ -97,7 +97,7 @@ def main() -> int:
     parser.add_argument("--breakdown-steps", type=int, default=2,
                         help="extra steps per hf_zeropp configuration under torch.profiler (time in the all-gather / "
                              "reduce-scatter calls and their kernels); 0 = off")
-    args = parse_cli(parser, CONFIGS)
+    args = parse_cli(parser, CONFIGS, DEEPSPEED)
     if args.worker:
         from .worker import worker  # torch, transformers and hf_zeropp: only on the ranks
 

@@ -1,4 +1,8 @@
-"""What the cluster benchmark compares: the configurations (hf_zeropp options, None = stock FSDP2) and link rates."""
+"""What the cluster benchmark compares: the configurations (hf_zeropp options, None = stock FSDP2) and link rates.
+
+``DEEPSPEED`` holds DeepSpeed's own ZeRO-3 and ZeRO++ (its ``zero_optimization`` options; ``"node"`` is the ranks per
+node), run only when asked for with ``--configs`` and an interpreter that has ``deepspeed`` (``--python``): it is
+installed for this benchmark alone, never as a dependency of hf_zeropp."""
 
 from __future__ import annotations
 
@@ -15,3 +19,9 @@ CONFIGS: dict[str, dict | None] = {
     "auto": {"preset": "auto"},
 }
 LINKS = ("100mbit", "300mbit", "1gbit", "3gbit", "none")
+DEEPSPEED: dict[str, dict] = {
+    "DeepSpeed ZeRO-3": {"stage": 3},
+    "DeepSpeed hpZ": {"stage": 3, "zero_hpz_partition_size": "node"},
+    "DeepSpeed qwZ": {"stage": 3, "zero_quantized_weights": True},
+    "DeepSpeed qgZ": {"stage": 3, "zero_quantized_gradients": True},
+}

@@ -20,18 +20,22 @@ from hf_zeropp.testing import emulated_cluster, emulated_network
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def parse_cli(parser: argparse.ArgumentParser, configs: dict) -> argparse.Namespace:
-    """The options every emulated-cluster benchmark has (``--configs`` out of ``configs``, ``--threads``,
-    ``--timeout``, and the hidden ``--worker``/``--result`` its ranks run with), parsed and checked."""
-    parser.add_argument("--configs", default=",".join(configs), help="comma list of: " + ", ".join(configs))
+def parse_cli(parser: argparse.ArgumentParser, configs: dict, on_request: dict | None = None) -> argparse.Namespace:
+    """The options every emulated-cluster benchmark has (``--configs`` out of ``configs``, plus ``on_request``
+    where named, ``--python``, ``--threads``, ``--timeout``, and the hidden ``--worker``/``--result`` its ranks run
+    with), parsed and checked."""
+    known = {**configs, **(on_request or {})}
+    parser.add_argument("--configs", default=",".join(configs), help="comma list of: " + ", ".join(known))
+    parser.add_argument("--python", default=sys.executable,
+                        help="interpreter of the ranks (one with deepspeed for its configurations); default this one")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank; default 1")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per link before giving up")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name in args.configs.split(","):
-        if name and name not in configs:
-            parser.error(f"unknown configuration {name!r}; choose from {', '.join(configs)}")
+        if name and name not in known:
+            parser.error(f"unknown configuration {name!r}; choose from {', '.join(known)}")
     return args
 
 
@@ -53,15 +57,16 @@ def requirements_problem() -> str | None:
 
 
 def run_emulated(module: str, worker_args: list[str], link: str, raw: Path, counters: Path, *, nodes: int,
-                 nproc_per_node: int, threads: int, timeout: float) -> dict:
+                 nproc_per_node: int, threads: int, timeout: float, python: str = sys.executable) -> dict:
     """``python -m module`` (run from the checkout) with ``worker_args`` on every rank of one emulated cluster at
     ``link``; the worker's results (it
     writes ``raw``) plus the emulator's counters and the machine's load average before/after."""
     raw.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", emulated_cluster.__name__, "--nodes", str(nodes), "--nproc-per-node",
-           str(nproc_per_node), "--link", link, "--counters-json", str(counters), "--", "-m", module, *worker_args]
+           str(nproc_per_node), "--link", link, "--counters-json", str(counters), "--python", python, "--", "-m",
+           module, *worker_args]
     print(f"== link {link}: {' '.join(cmd)}", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
     load_before = os.getloadavg()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     try:
@@ -89,7 +94,7 @@ def run_link(link: str, args, out: Path, probe_mb: float) -> dict:
                    "--breakdown-steps", str(args.breakdown_steps)]
     return run_emulated("scripts.benchmarks.cluster", worker_args, link, raw, out / f"counters_{link}.json",
                         nodes=args.nodes, nproc_per_node=args.nproc_per_node, threads=args.threads,
-                        timeout=args.timeout)
+                        timeout=args.timeout, python=args.python)
 
 
 def run_links(args, out: Path) -> dict[str, dict]:

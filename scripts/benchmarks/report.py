@@ -55,6 +55,10 @@ def markdown(summary: dict, args) -> str:
             lines[-1] += (" / ".join(f"{m / 1e6:.2f}" for m in measured) if measured else "-") + " | "
             lines[-1] += (" / ".join(f"{x * 100:+.1f} %" for x in error if x is not None) if error else "-") + " | "
             lines[-1] += (f"{row['link_efficiency'] * 100:.0f} %" if "link_efficiency" in row else "-") + " |"
+    not_run = {name: reason for data in summary["links"].values() for name, reason in data.get("not_run", {}).items()}
+    if not_run:
+        lines += ["", "Asked for, but they do not run here (each raised on every rank at its first step):", ""]
+        lines += [f"* {name}: {reason}" for name, reason in not_run.items()]
     lines += ["", "Targets (ratios from the same launch per link):", ""]
     for t in summary["targets"]:
         lines.append(f"* {'MET' if t['met'] else 'MISSED'}: {t['target']} — {t['value']}")

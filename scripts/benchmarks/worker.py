@@ -25,7 +25,7 @@ from hf_zeropp.comm_meter import reduce_scatter_single
 from hf_zeropp._compat import fsdp_param_groups, group_parameters, group_reshards_after_forward
 
 from . import breakdown
-from .configs import CONFIGS
+from .configs import CONFIGS, DEEPSPEED
 from .wire import KINDS, counter_delta, read_counters, wire_factors
 
 
@@ -82,7 +82,7 @@ def _probe(node_size: int, megabytes: float) -> dict:
     return result
 
 
-def _build(name: str, options: dict | None, args):
+def _build(name: str, options: dict | None, args, node_size: int):
     """One configuration's model (same weights for all: seed 0) and AdamW; the kernel backend (``"ZeRO++ ref"``:
     the reference) is the config's own ``kernel_backend``, so configurations sharing this process do not touch
     each other's kernels."""
@@ -91,6 +91,9 @@ def _build(name: str, options: dict | None, args):
                                        n_layer=args.n_layer, n_head=args.n_head, bos_token_id=0, eos_token_id=0))
     params = sum(p.numel() for p in model.parameters())
     backend = None
+    if name in DEEPSPEED:
+        return {"name": name, "model": _deepspeed_engine(model, DEEPSPEED[name], args, node_size), "optimizer": None,
+                "backend": None, "params": params, "metered": False, "times": [], "windows": [], "stats": None}
     if options is None:  # the peer: stock FSDP2 FULL_SHARD, same units and precision, torch's own collectives
         dtype = {"bf16": torch.bfloat16, "fp32": None}[args.precision]
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
@@ -109,6 +112,33 @@ def _build(name: str, options: dict | None, args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return {"name": name, "model": model, "optimizer": optimizer, "backend": backend, "params": params,
             "metered": options is not None, "times": [], "windows": [], "stats": None}
+
+
+def _deepspeed_engine(model, zero: dict, args, node_size: int):
+    """DeepSpeed's engine around ``model``: its ZeRO stage 3 with ``zero`` and the same precision (bf16 weights and
+    gradient reduction, fp32 master weights) and optimizer (torch's AdamW, lr 1e-4) as the other configurations."""
+    import deepspeed
+
+    zero = {key: node_size if value == "node" else value for key, value in zero.items()}
+    config = {"train_micro_batch_size_per_gpu": args.batch_per_rank, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": args.precision == "bf16"}, "zero_optimization": zero,
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                      config=config)
+    return engine
+
+
+def _runs(name: str, options: dict | None, args, node_size: int, step) -> tuple[dict | None, str | None]:
+    """The configuration built and one step run, or why it cannot run here: DeepSpeed's quantized collectives have
+    no CPU implementation and raise, at initialization (qwZ) or in the first backward (qgZ), on every rank alike."""
+    if name not in DEEPSPEED:
+        return _build(name, options, args, node_size), None
+    try:
+        entry = _build(name, options, args, node_size)
+        step(entry)
+        return entry, None
+    except ValueError as error:
+        return None, f"{type(error).__name__}: {error}"
 
 
 def _fsdp_logical_per_step(model, world: int, node_size: int, param_bytes: int, reduce_bytes: int,
@@ -138,6 +168,11 @@ def _fsdp_logical_per_step(model, world: int, node_size: int, param_bytes: int, 
 
 
 def _step(entry, ids) -> None:
+    if entry["optimizer"] is None:  # a DeepSpeed engine: its own backward and step
+        engine = entry["model"]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        return
     loss = entry["model"](input_ids=ids, labels=ids).loss
     loss.backward()
     entry["optimizer"].step()
@@ -167,14 +202,22 @@ def worker(args) -> None:
             print(f"[bench {os.environ.get('ZPP_CLUSTER_LINK', '?')}] {text}", flush=True)
 
     probe = _probe(node_size, args.probe_mb) if args.probe_mb > 0 else None
-    names = [n for n in args.configs.split(",") if n]
-    entries = [_build(name, CONFIGS[name], args) for name in names]
-    say(f"GPT-2 {entries[0]['params'] / 1e6:.2f}M params, {world} ranks ({world // node_size} nodes x {node_size}), "
-        f"{args.batch_per_rank} x {args.seq_len} tokens per rank; configs: {', '.join(names)}")
     generator = torch.Generator().manual_seed(1234 + rank)
 
     def batch():
         return torch.randint(0, args.vocab, (args.batch_per_rank, args.seq_len), generator=generator)
+
+    entries, not_run = [], {}
+    for name in [n for n in args.configs.split(",") if n]:
+        entry, reason = _runs(name, CONFIGS.get(name), args, node_size, lambda entry: _step(entry, batch()))
+        if entry is None:
+            not_run[name] = reason
+            say(f"{name} does not run here: {reason}")
+        else:
+            entries.append(entry)
+    names = [entry["name"] for entry in entries]
+    say(f"GPT-2 {entries[0]['params'] / 1e6:.2f}M params, {world} ranks ({world // node_size} nodes x {node_size}), "
+        f"{args.batch_per_rank} x {args.seq_len} tokens per rank; configs: {', '.join(names)}")
 
     for entry in entries:  # warm-up (lazy init, allocator, kernel JIT load)
         start = time.perf_counter()
@@ -241,7 +284,7 @@ def worker(args) -> None:
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         result = {"world": world, "node_size": node_size, "link": os.environ.get("ZPP_CLUSTER_LINK"),
-                  "params": entries[0]["params"], "probe": probe, "per_rank": everyone,
+                  "params": entries[0]["params"], "probe": probe, "per_rank": everyone, "not_run": not_run,
                   "implementations": {e["name"]: (e["stats"] or {}).get("implementations") for e in entries}}
         Path(args.result).write_text(json.dumps(result))
     dist.barrier()
