@@ -124,6 +124,8 @@ class QuantizedCrossNodeAllReduce:
     def _send_chunks(self, unit: _Unit) -> None:
         """Hop 1: chunk ``m`` of this node's partial sum, quantized, to the rank of my local index on node ``m``."""
         packed = self._quantize(unit.rows)
+        if self.meter.track_errors:
+            self.meter.record_error("hybrid_reduce_scatter", unit.rows, self._dequantize(packed, unit.rows.shape[1]))
         unit.arrived = torch.empty_like(packed)
         unit.hop1 = dist.all_to_all_single(unit.arrived, packed, group=self.group, async_op=True)
         self.meter.record("hybrid_reduce_scatter", self.group, nbytes(packed[0]), self.describe())
@@ -136,6 +138,8 @@ class QuantizedCrossNodeAllReduce:
         restored[node] = unit.rows[node]
         total = restored.sum(dim=0, keepdim=True)
         packed = self._quantize(total)
+        if self.meter.track_errors:
+            self.meter.record_error("hybrid_all_gather", total, self._dequantize(packed, length))
         unit.gathered = packed.new_empty(self.topology.nodes, packed.shape[1])
         unit.hop2 = dist.all_gather_into_tensor(unit.gathered, packed, group=self.group, async_op=True)
         self.meter.record("hybrid_all_gather", self.group, nbytes(packed), self.describe())

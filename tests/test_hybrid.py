@@ -39,15 +39,20 @@ def _stock_hsdp(node_size: int, micro_batches: int):
     return losses, full_parameters(model)
 
 
-def _first_gradients(model) -> dict[str, torch.Tensor]:
-    """The gradients of step 0 (full tensors), after one forward and backward."""
+def _first_gradients(model) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The gradients of step 0 (full tensors), after one forward and backward, and the meter's relative error of
+    each quantization in it (what the Trainer logs as ``quantization_error``)."""
+    from hf_zeropp import comm_stats
+    from hf_zeropp.state import zeropp_state
     from hf_zeropp.testing.tiny_models import local_batch
 
     ids = local_batch(0, size=_batch())
+    zeropp_state(model).meter.track_errors = True
     model(input_ids=ids, labels=ids).loss.backward()
+    zeropp_state(model).meter.track_errors = False
     grads = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    return grads
+    return grads, comm_stats(model).get("quantization_error", {})
 
 
 def _hybrid(preset: str, node_size: int, micro_batches: int, checkpoint_dir: str | None = None):
@@ -56,10 +61,10 @@ def _hybrid(preset: str, node_size: int, micro_batches: int, checkpoint_dir: str
 
     model = shard_model(tiny_gpt2(seed=0), ZeroPPConfig.preset(preset, node_size=node_size))
     optimizer = make_optimizer(model)
-    grads = _first_gradients(model)
+    grads, errors = _first_gradients(model)
     comm_stats(model, reset=True)
     losses = train(model, optimizer, range(STEPS), micro_batches=micro_batches, size=_batch())
-    result = {"losses": losses, "params": full_parameters(model), "grads": grads,
+    result = {"losses": losses, "params": full_parameters(model), "grads": grads, "errors": errors,
               "local": {name: p.to_local().clone() for name, p in model.named_parameters()},
               "stats": {k: v for k, v in comm_stats(model).items() if k != "quantization_error"}}
     if checkpoint_dir is not None:  # resume: the next step equals the uninterrupted run's
@@ -136,6 +141,24 @@ def test_hybrid_q_gradient_is_the_mean_over_all_ranks_within_int4_error(runs):
     unquantized = results[0]["hybrid"]["grads"]
     for name in exact:
         assert torch.allclose(unquantized[name], exact[name], rtol=1e-4, atol=1e-6), name
+    assert results[0]["hybrid"]["errors"] == {}
+
+
+def test_hybrid_q_reports_the_error_of_each_hop_and_together_they_explain_the_gradients_error(runs):
+    """The meter's round-trip errors of the two quantizations (INT4 blocks: a few to 20 % each) and the error of the
+    gradient the step got against the exact mean, measured independently on one process: the two hops' errors
+    compounded, so of their size (above half the smaller, below 1.5 times their sum)."""
+    world, _, results = runs
+    exact = results[0]["exact_grads"]
+    got = results[0]["hybrid-q"]["grads"]
+    actual = (sum(float((got[n] - exact[n]).pow(2).sum()) for n in exact)
+              / sum(float(exact[n].pow(2).sum()) for n in exact)) ** 0.5
+    hops = [max(results[rank]["hybrid-q"]["errors"][kind] for rank in range(world))
+            for kind in ("hybrid_reduce_scatter", "hybrid_all_gather")]
+    print(f"world {world}: hybrid-q gradient error {actual:.3f}; reduce-scatter hop {hops[0]:.3f}, all-gather hop "
+          f"{hops[1]:.3f}")
+    assert all(0.01 < error < 0.35 for error in hops), hops
+    assert 0.5 * min(hops) < actual < 1.5 * sum(hops), (actual, hops)
 
 
 def test_hybrid_q_trains_as_stock_hsdp_within_quantization_error(runs):
