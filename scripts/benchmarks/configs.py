@@ -1,8 +1,9 @@
 """What the cluster benchmark compares: the configurations (hf_zeropp options, None = stock FSDP2) and link rates.
 
-``DEEPSPEED`` holds DeepSpeed's own ZeRO-3 and ZeRO++ (its ``zero_optimization`` options; ``"node"`` is the ranks per
-node), run only when asked for with ``--configs`` and an interpreter that has ``deepspeed`` (``--python``): it is
-installed for this benchmark alone, never as a dependency of hf_zeropp."""
+``ON_REQUEST`` configurations run only when named in ``--configs``. So do those of ``DEEPSPEED``, DeepSpeed's own
+ZeRO-3 and ZeRO++ (its ``zero_optimization`` options; ``"node"`` is the ranks per node), which also need an
+interpreter that has ``deepspeed`` (``--python``; scripts/benchmarks/deepspeed_env.sh): it is installed for this
+benchmark alone, never as a dependency of hf_zeropp."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ CONFIGS: dict[str, dict | None] = {
     "auto": {"preset": "auto"},
 }
 LINKS = ("100mbit", "300mbit", "1gbit", "3gbit", "none")
+ON_REQUEST: dict[str, dict] = {
+    "ZeRO-2": {"stage": 2},  # weights kept gathered from forward to backward: what DeepSpeed's defaults do here
+}
 DEEPSPEED: dict[str, dict] = {
-    "DeepSpeed ZeRO-3": {"stage": 3},
+    "DeepSpeed ZeRO-3": {"stage": 3},  # its defaults keep up to 1e9 gathered parameters live between uses
+    "DeepSpeed ZeRO-3 regather": {"stage": 3, "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
     "DeepSpeed hpZ": {"stage": 3, "zero_hpz_partition_size": "node"},
     "DeepSpeed qwZ": {"stage": 3, "zero_quantized_weights": True},
     "DeepSpeed qgZ": {"stage": 3, "zero_quantized_gradients": True},

@@ -25,7 +25,7 @@ from hf_zeropp.comm_meter import reduce_scatter_single
 from hf_zeropp._compat import fsdp_param_groups, group_parameters, group_reshards_after_forward
 
 from . import breakdown
-from .configs import CONFIGS, DEEPSPEED
+from .configs import CONFIGS, DEEPSPEED, ON_REQUEST
 from .wire import KINDS, counter_delta, read_counters, wire_factors
 
 
@@ -209,7 +209,8 @@ def worker(args) -> None:
 
     entries, not_run = [], {}
     for name in [n for n in args.configs.split(",") if n]:
-        entry, reason = _runs(name, CONFIGS.get(name), args, node_size, lambda entry: _step(entry, batch()))
+        entry, reason = _runs(name, {**CONFIGS, **ON_REQUEST}.get(name), args, node_size,
+                              lambda entry: _step(entry, batch()))
         if entry is None:
             not_run[name] = reason
             say(f"{name} does not run here: {reason}")
