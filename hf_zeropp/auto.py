@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import kernels
-from .config import ZeroPPConfig
+from .config import AUTO_KEEPS, ZeroPPConfig
 from .hybrid import hybrid_fits
 from .presets import PRESETS
 from .topology import Topology
@@ -135,9 +135,7 @@ def step_traffic(name: str, config: ZeroPPConfig, topology: Topology, parameters
 def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
            units: int) -> tuple[ZeroPPConfig, str]:
     """The resolved config for ``shard_group: auto`` and one line saying what was chosen and why (a collective)."""
-    keep = {f: getattr(config, f) for f in ("mixed_precision", "reduce_dtype", "wrap_modules",
-                                            "activation_checkpointing", "generation_gather", "node_size",
-                                            "kernel_backend", "block_size", "seed")}
+    keep = {f: getattr(config, f) for f in AUTO_KEEPS}
 
     def resolved(name: str) -> ZeroPPConfig:
         return ZeroPPConfig.from_dict({**PRESETS[name], **keep})

@@ -31,6 +31,10 @@ from .presets import PRESETS
 BLOCK_ALIGNMENT = 8
 
 # The subjects the options are grouped by, in the order of the fields (and of the README's option table).
+# what ``shard_group: auto`` carries into the configuration it chooses (every other option comes from that preset)
+AUTO_KEEPS = ("mixed_precision", "reduce_dtype", "wrap_modules", "activation_checkpointing", "generation_gather",
+              "node_size", "kernel_backend", "block_size", "seed")
+
 SHARDING = "sharding"
 QWZ = "qwZ: quantized weights"
 HPZ = "hpZ: hierarchical weight partition"
@@ -206,6 +210,11 @@ class ZeroPPConfig:
         if self.shard_group == "auto" and (on or self.stage != 3):
             raise ValueError(f"shard_group='auto' (preset auto) chooses stage 3 and the techniques itself, but "
                              f"{', '.join(on) or f'stage={self.stage}'} is set; remove it, or name a preset instead")
+        dropped = [f.name for f in fields(self) if self.shard_group == "auto"
+                   and f.name not in (*AUTO_KEEPS, "shard_group") and getattr(self, f.name) != _default(f)]
+        if dropped:
+            raise ValueError(f"shard_group='auto' (preset auto) sets the techniques' options with the configuration "
+                             f"it chooses, but {', '.join(dropped)} is set; remove it, or name a preset instead")
         if self.shard_group == "world" and "hybrid_gradient_bits" in on:
             raise ValueError(f"hybrid_gradient_bits={self.hybrid_gradient_bits} quantizes hybrid sharding's all-reduce,"
                              f" but shard_group='world'; set shard_group: node (preset hybrid-q) or remove it")
@@ -214,6 +223,12 @@ class ZeroPPConfig:
             raise ValueError(f"shard_group='node' (hybrid sharding) with {', '.join(zero_pp) or 'stage=0'}: no weights "
                              f"cross nodes under hybrid sharding, and gradients cross them in its all-reduce (quantize "
                              f"it with hybrid_gradient_bits); turn it off, or use shard_group: world (ZeRO++)")
+        two_hop_only = [name for name in ("gradient_error_feedback", "gradient_bit_allocation") if getattr(self, name)]
+        if self.shard_group == "node" and two_hop_only:
+            raise ValueError(f"shard_group='node' (hybrid sharding) with {', '.join(two_hop_only)}: it acts on qgZ's "
+                             f"two-hop all-to-all, which hybrid sharding does not run; its quantized all-reduce "
+                             f"(hybrid_gradient_bits) takes gradient_hadamard and stochastic_rounding. Turn it off, or "
+                             f"use shard_group: world with quantized_gradients (ZeRO++)")
 
     def _check_gradient_hadamard(self) -> None:
         size = self.gradient_hadamard
@@ -448,3 +463,7 @@ def option_table() -> str:
     """The README's option table (markdown): a row per subject with its section key, then each option's default
     and doc."""
     return grouped_table(ZeroPPConfig, SECTIONS)
+
+
+def _default(option: dataclasses.Field) -> Any:
+    return option.default_factory() if option.default_factory is not dataclasses.MISSING else option.default

@@ -202,10 +202,19 @@ def test_bad_hybrid_configurations_are_refused_before_any_collective():
             ZeroPPConfig.preset("hybrid", **options)
     with pytest.raises(ValueError, match="shard_group='world'; set shard_group: node"):
         ZeroPPConfig(hybrid_gradient_bits=4)
+    for option in ("gradient_error_feedback", "gradient_bit_allocation"):
+        with pytest.raises(ValueError, match=f"hybrid sharding\\) with {option}: it acts on qgZ's two-hop all-to-all"):
+            ZeroPPConfig.preset("hybrid-q", **{option: True})
     for options, named in (({"quantized_weights": True}, "quantized_weights"), ({"stage": 2}, "stage=2"),
                            ({"hybrid_gradient_bits": 4}, "hybrid_gradient_bits")):
         with pytest.raises(ValueError, match=f"chooses stage 3 and the techniques itself, but {named} is set"):
             ZeroPPConfig.preset("auto", **options)
+    for option, value in (("gradient_error_feedback", True), ("stochastic_rounding", True), ("weight_bits", 4),
+                          ("quantized_gradients_until", 0.5)):  # the chosen preset's would replace it: never silently
+        with pytest.raises(ValueError, match=f"sets the techniques' options with the configuration it chooses, but "
+                                             f"{option} is set"):
+            ZeroPPConfig.preset("auto", **{option: value})
+    assert ZeroPPConfig.preset("auto", block_size=128, node_size=2, mixed_precision="bf16").shard_group == "auto"
 
 
 def test_hybrid_refuses_a_model_whose_states_do_not_fit_a_node(monkeypatch):
