@@ -30,11 +30,11 @@ from .presets import PRESETS
 # Block sizes are kept to multiples of 8 so that every block starts 8-element aligned for vectorized kernels.
 BLOCK_ALIGNMENT = 8
 
-# The subjects the options are grouped by, in the order of the fields (and of the README's option table).
 # what ``shard_group: auto`` carries into the configuration it chooses (every other option comes from that preset)
 AUTO_KEEPS = ("mixed_precision", "reduce_dtype", "wrap_modules", "activation_checkpointing", "generation_gather",
               "node_size", "kernel_backend", "block_size", "seed")
 
+# The subjects the options are grouped by, in the order of the fields (and of the README's option table).
 SHARDING = "sharding"
 QWZ = "qwZ: quantized weights"
 HPZ = "hpZ: hierarchical weight partition"
@@ -210,8 +210,8 @@ class ZeroPPConfig:
         if self.shard_group == "auto" and (on or self.stage != 3):
             raise ValueError(f"shard_group='auto' (preset auto) chooses stage 3 and the techniques itself, but "
                              f"{', '.join(on) or f'stage={self.stage}'} is set; remove it, or name a preset instead")
-        dropped = [f.name for f in fields(self) if self.shard_group == "auto"
-                   and f.name not in (*AUTO_KEEPS, "shard_group") and getattr(self, f.name) != _default(f)]
+        dropped = [f.name for f in fields(self) if f.name not in (*AUTO_KEEPS, "shard_group")
+                   and getattr(self, f.name) != _default(f)] if self.shard_group == "auto" else []
         if dropped:
             raise ValueError(f"shard_group='auto' (preset auto) sets the techniques' options with the configuration "
                              f"it chooses, but {', '.join(dropped)} is set; remove it, or name a preset instead")

@@ -329,13 +329,13 @@ FAILS_ON_ONE_RANK = str(SCRIPTS / "zeropp_fails_on_one_rank.py")
 FIRST_FAILURE = "RuntimeError: rank 3 fails on purpose"
 
 
-def _on_two_machines(command: list[str], machine_rank_flag: str) -> list[str]:
-    """``command`` started once per emulated machine (2 x 2 ranks on this one, rank 3 failing); each one's output."""
+def _on_two_machines(command: list[str], machine_rank_flag: str, port_flag: str) -> list[str]:
+    """``command SCRIPT`` started once per emulated machine (2 x 2 ranks on this one, rank 3 failing), with the
+    machine's rank and a shared port; each one's output."""
     port = _port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIL_RANK": "3"}
-    machines = [subprocess.Popen([*command[:-1], machine_rank_flag, str(machine), "--main_process_port" if
-                                  command[0].endswith("hf-zeropp") else "--master_port", port, command[-1]], cwd=ROOT,
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    machines = [subprocess.Popen([*command, machine_rank_flag, str(machine), port_flag, port, FAILS_ON_ONE_RANK],
+                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for machine in range(2)]
     outputs = [machine.communicate(timeout=180)[0] for machine in machines]
     assert all(machine.returncode != 0 for machine in machines), outputs
@@ -365,7 +365,7 @@ def test_under_stock_torchrun_every_machine_ends_with_the_first_failures_traceba
     """Machine 0's ranks only fail because rank 3 (machine 1) died: torchrun names one of them as its root cause, and
     hf_zeropp's error file makes it end with rank 3's traceback."""
     outputs = _on_two_machines([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-                                "2", "--master_addr", "127.0.0.1", FAILS_ON_ONE_RANK], "--node_rank")
+                                "2", "--master_addr", "127.0.0.1"], "--node_rank", "--master_port")
     assert "Rank 3 failed before this rank; its traceback:" in outputs[0]
     for output in outputs:
         _summary_ends_with_first_failure(output)
@@ -382,8 +382,8 @@ def test_under_stock_accelerate_launch_the_summary_ends_with_the_failing_ranks_t
 
 def test_the_launcher_on_two_machines_names_the_first_failure_on_both():
     outputs = _on_two_machines([str(BIN / "hf-zeropp"), "launch", "--config_file", str(STOCK_CPU), "--num_processes",
-                                "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1", FAILS_ON_ONE_RANK],
-                               "--machine_rank")
+                                "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1"], "--machine_rank",
+                               "--main_process_port")
     for machine, output in enumerate(outputs):
         ending = output[output.rindex("hf-zeropp launch: the workers failed"):].strip().splitlines()
         here = "exit code 1" if machine == 1 else r"on another machine; here rank [01] failed after it, exit code -?\d+"
