@@ -276,7 +276,7 @@ def main() -> int:
         result = out / f"raw_{link}.json"
         raw[link] = run_emulated("scripts.benchmarks.lora", [*worker_args, "--result", str(result)], link, result,
                                  out / f"counters_{link}.json", nodes=2, nproc_per_node=2, threads=args.threads,
-                                 timeout=args.timeout)
+                                 timeout=args.timeout, python=args.python)
     summary = summarise(raw, args)
     summary["settings"] = {k: v for k, v in vars(args).items() if k not in ("worker", "result")}
     summary["wall_s"] = time.monotonic() - started
