@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,6 +48,9 @@ UPSTREAM: dict[str, str] = {
                                       ".apply_activation_checkpointing",
     "process_group_timeout": "ProcessGroup._get_backend(device).options._timeout",
     "default_store": "torch.distributed.distributed_c10d._get_default_store",
+    "threaded_process_groups": "torch.testing._internal.distributed.multi_threaded_pg (_install_threaded_pg, "
+                               "Collective.join, ProcessLocalGroup.exception_handle), "
+                               "torch._C._distributed_c10d._set_thread_isolation_mode",
     "local_tensor": "torch.distributed.tensor.DTensor._local_tensor",
     "no_split_modules": "transformers.PreTrainedModel._no_split_modules",
     "run_init_with_hooks": "transformers.PreTrainedModel._initialize_weights (+ initialize_weights)",
@@ -121,21 +125,28 @@ def hsdp_mesh_info(mesh: Any, shard_mesh_dim: int, replicate_mesh_dim: int) -> A
 # checked: torch 2.13 (defined in _fsdp_init, looked up by fully_shard as a global of _fully_shard)
 @contextlib.contextmanager
 def post_forward_mesh_info_override(choose: Callable[[Any, Any], Any]) -> Iterator[None]:
-    """Patch FSDP2's private ``_get_post_forward_mesh_info`` (as ``fully_shard`` sees it) inside the block:
-    ``choose(reshard_after_forward, mesh_info)`` returns the post-forward mesh info to use, or None for FSDP's own
-    (which builds a new device mesh per call for an integer reshard, pytorch#153302)."""
+    """Inside the block, in this thread, FSDP2's private ``_get_post_forward_mesh_info`` (as ``fully_shard`` sees
+    it) asks ``choose(reshard_after_forward, mesh_info)`` first, and builds its own when that returns None (FSDP
+    builds a new device mesh per call for an integer reshard, pytorch#153302). The choice is per thread, so ranks
+    that are threads of one process (the threaded test group) each keep their own."""
     module = _fsdp_module("_fully_shard")
-    build = module._get_post_forward_mesh_info
+    if not hasattr(module._get_post_forward_mesh_info, "choices"):
+        build = module._get_post_forward_mesh_info
+        choices = threading.local()
 
-    def post_forward_mesh_info(reshard_after_forward, mesh_info):
-        chosen = choose(reshard_after_forward, mesh_info)
-        return chosen if chosen is not None else build(reshard_after_forward, mesh_info)
+        def post_forward_mesh_info(reshard_after_forward, mesh_info):
+            choose = getattr(choices, "choose", None)
+            chosen = choose(reshard_after_forward, mesh_info) if choose is not None else None
+            return chosen if chosen is not None else build(reshard_after_forward, mesh_info)
 
-    module._get_post_forward_mesh_info = post_forward_mesh_info
+        post_forward_mesh_info.choices = choices
+        module._get_post_forward_mesh_info = post_forward_mesh_info
+    choices = module._get_post_forward_mesh_info.choices
+    outer, choices.choose = getattr(choices, "choose", None), choose
     try:
         yield
     finally:
-        module._get_post_forward_mesh_info = build
+        choices.choose = outer
 
 
 # The parameter-group walks below take FSDP modules and return FSDP2's FSDPParamGroup objects as opaque handles:
@@ -284,8 +295,47 @@ def apply_activation_checkpointing(model: nn.Module, check_fn: Callable[[nn.Modu
 def process_group_timeout(group: dist.ProcessGroup, device_type: str) -> Any:
     """``group._get_backend(device).options._timeout``: the group's collective timeout (None if the backend does
     not expose it), so hf_zeropp's own groups can inherit the world group's."""
-    backend = group._get_backend(torch.device(device_type))
+    try:
+        backend = group._get_backend(torch.device(device_type))
+    except RuntimeError:  # a group implemented in Python (torch's threaded test group) has no backend object
+        return None
     return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
+# checked: torch 2.13 (the harness torch's own FSDP2 tests run threaded ranks with)
+@contextlib.contextmanager
+def threaded_process_groups() -> Iterator[tuple[dist.Store, Callable[[BaseException], None]]]:
+    """Inside the block, ``init_process_group("threaded", ...)`` in a thread makes that thread a rank of a world
+    held in this process; yields the store the ranks share and the function that stops every rank after one
+    failed. Collectives order after the caller's current CUDA stream and return with their outputs written
+    (:mod:`hf_zeropp.testing.threaded_ranks` says why)."""
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
+
+    join = threaded.Collective.join
+
+    def stream_ordered_join(self, rank, data):
+        if torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()  # the inputs this rank issued are complete
+            if rank == 0 and "work" not in vars(self._collective):  # rank 0's thread copies for every rank
+                copy = self._collective.work
+
+                def work_then_wait(ranks_data):
+                    copy(ranks_data)
+                    torch.cuda.current_stream().synchronize()
+
+                self._collective.work = work_then_wait
+        return join(self, rank, data)
+
+    threaded._install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    threaded.Collective.join = stream_ordered_join
+    try:
+        yield dist.HashStore(), threaded.ProcessLocalGroup.exception_handle
+    finally:
+        threaded.Collective.join = join
+        threaded.ProcessLocalGroup.reset()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        threaded._uninstall_threaded_pg()
 
 
 # checked: torch 2.13

@@ -16,7 +16,9 @@ handful of groups.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._compat import process_group_timeout
 from .config import ZeroPPConfig
 from .node_size import detect_node_size
+
+
+class _built_once:
+    """``functools.cached_property`` without its lock: before Python 3.12 one lock serves every instance, so a rank
+    building a group (a collective) while holding it would block the other ranks of a process that runs ranks as
+    threads (:mod:`hf_zeropp.testing.threaded_ranks`) before they could join that collective."""
+
+    def __init__(self, build: Callable[[Any], Any]):
+        self.build, self.__doc__ = build, build.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, topology: Any, owner: type | None = None) -> Any:
+        if topology is None:
+            return self
+        if self.name not in topology.__dict__:
+            topology.__dict__[self.name] = self.build(topology)
+        return topology.__dict__[self.name]
 
 
 @dataclass(frozen=True)
@@ -88,16 +109,16 @@ class Topology:
     def node_of(self, global_rank: int) -> int:
         return global_rank // self.node_size
 
-    @functools.cached_property
+    @_built_once
     def world_mesh(self) -> DeviceMesh:
         return _mesh(self.device_type, (self.world_size,), ("dp",))
 
-    @functools.cached_property
+    @_built_once
     def replicated_mesh(self) -> DeviceMesh:
         """``(world, 1)``: FSDP2 on it replicates the weights and all-reduces the gradients (stage 0)."""
         return _mesh(self.device_type, (self.world_size, 1), ("replicate", "shard"))
 
-    @functools.cached_property
+    @_built_once
     def node_mesh(self) -> DeviceMesh:
         return _mesh(self.device_type, (self.nodes, self.node_size), ("inter_node", "intra_node"))
 
@@ -115,7 +136,7 @@ class Topology:
     def inter_node_group(self) -> dist.ProcessGroup:
         return self.node_mesh.get_group("inter_node")
 
-    @functools.cached_property
+    @_built_once
     def hpz_mesh(self) -> DeviceMesh | None:
         """``(world / k, k)``: row = the k consecutive ranks that hold one secondary copy of the weights."""
         if self.hpz_size <= 1 or self.hpz_size == self.world_size:
@@ -124,7 +145,7 @@ class Topology:
             return self.node_mesh
         return _mesh(self.device_type, (self.world_size // self.hpz_size, self.hpz_size), ("hpz_replica", "hpz"))
 
-    @functools.cached_property
+    @_built_once
     def control_group(self) -> dist.ProcessGroup:
         """A gloo group of the whole world used only for ``monitored_barrier``: it tells which ranks did not join a
         collective (a save called on rank 0 alone) without mixing its messages with the training collectives."""
@@ -147,9 +168,15 @@ def _world_timeout(device_type: str):
     return process_group_timeout(dist.group.WORLD, device_type)
 
 
-@functools.lru_cache(maxsize=None)
 def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """A device mesh whose 2-D groups carry the world's timeout; rank r sits at position r (row-major)."""
+    """A device mesh whose 2-D groups carry the world's timeout; rank r sits at position r (row-major). One per
+    world group: a process that starts a new world (or holds several, as threaded ranks do) gets new groups."""
+    return _mesh_of_world(dist.group.WORLD, device_type, shape, names)
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_of_world(world: dist.ProcessGroup, device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
+                   ) -> DeviceMesh:
     grid = torch.arange(dist.get_world_size()).view(shape)
     if len(shape) == 1:
         return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh=grid, mesh_dim_names=names)

@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
-# Everything a GPU machine checks, in one run (~4 min on an H200 once the kernels are built; the build adds a few
-# minutes on a fresh machine): build the CPU and CUDA kernels, run every CUDA test (bit-identical to the reference
-# on CPU), time the kernels, run the single-GPU end-to-end script, and profile three kernels at 256M elements with
-# Nsight Compute where it is installed. Results land in $OUT (default out/gpu_check): log.txt, tests.txt,
-# kernels_cuda.md/.json, gpu_e2e.md/.json, ncu.txt. docs/results/2026-11-26-gpu-h200.md holds one machine's results.
+# Everything a GPU machine checks, in one run (~6 min on an H200, builds included): build the CPU and CUDA kernels,
+# run every CUDA test (bit-identical to the reference on CPU), run the 4-rank ZeRO++ step on the one GPU (ranks as
+# threads, a CUDA stream each) plainly and under torch's CUDA stream sanitizer, time the kernels beside a copy and
+# beside other versions of the kernels and torchao's blockwise quantization, and profile three kernels with Nsight
+# Compute where it is installed. Results land in $OUT (default out/gpu_check): log.txt and the benchmark files.
+# docs/results/2026-11-26-gpu-h200.md and docs/results/2026-11-27-gpu-kernels-multirank.md hold one machine's results.
 #
 #   bash scripts/gpu_check.sh                 # from the repository root, with the python that holds CUDA torch
 #   PYTHON=.venv/bin/python OUT=/tmp/x bash scripts/gpu_check.sh
+#
+# Other versions of the kernels are timed side by side when named: KERNEL_VERSIONS="name=folder ..." (a folder of
+# kernel sources, e.g. an earlier commit's cuda/), and KERNEL_DEFINES="name=MACRO=value,... ..." (this cuda/ built
+# with other values of its tuning macros). A torchao wheel in TORCHAO_WHEELS (a folder) is installed for the anchor.
+# SIZES (default 1M,16M,256M) and COMPILED_ONLY=1 (skip timing the plain-torch reference) shorten the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-out/gpu_check}
+KERNEL_VERSIONS=${KERNEL_VERSIONS:-}
+KERNEL_DEFINES=${KERNEL_DEFINES:-}
+TORCHAO_WHEELS=${TORCHAO_WHEELS:-}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_ZEROPP_KERNEL_CACHE=${HF_ZEROPP_KERNEL_CACHE:-/tmp/hf_zeropp_kernels}
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
 step() { echo; echo "=== $(date +%T) $*"; }
-build() { $PYTHON -c "from hf_zeropp.kernels import _build; _build.load(_build.$1, raise_on_failure=True); print('$1 built')"; }
+build() {  # extension [source folder]
+    HF_ZEROPP_KERNEL_SOURCES=${2:-} $PYTHON -c "from hf_zeropp.kernels import _build
+_build.load(_build.$1, raise_on_failure=True); print('$1 built from', _build.source_dir())"
+}
 
 step "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv || true
@@ -25,21 +37,48 @@ nvcc --version | tail -2 || true
 $PYTHON -c "import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)"
 
-step "build the CPU and CUDA kernels (in parallel)"
-build CPU_EXTENSION &
-cpu_build=$!  # waited for by pid: a bare `wait` would also wait for the tee above, which never ends
+versions=()  # name=folder of every other version of the kernels
+for version in $KERNEL_VERSIONS; do versions+=("$version"); done
+for spec in $KERNEL_DEFINES; do
+    name=${spec%%=*}; folder=/tmp/hf_zeropp_kernel_versions/$name
+    rm -rf "$folder"; mkdir -p "$folder"; cp cuda/* "$folder"/
+    { echo "${spec#*=}" | tr ',' '\n' | sed 's/^/#define /; s/=/ /'; cat cuda/quant_kernels.cu; } > "$folder/quant_kernels.cu"
+    versions+=("$name=$folder")
+done
+
+step "build the CPU and CUDA kernels, and every other version named (in parallel)"
+pids=()
+build CPU_EXTENSION & pids+=($!)  # waited for by pid: a bare `wait` would also wait for the tee above
+for version in "${versions[@]}"; do build CUDA_EXTENSION "${version#*=}" & pids+=($!); done
 build CUDA_EXTENSION || { echo "CUDA build failed"; exit 1; }
-wait $cpu_build || { echo "CPU build failed"; exit 1; }
+for pid in "${pids[@]}"; do wait "$pid" || echo "a build failed (pid $pid); its version is not timed"; done
 
 step "CUDA tests"
 timeout 300 $PYTHON -m pytest -q -p no:cacheprovider -n 8 -k cuda \
-    tests/test_kernels.py tests/test_hadamard.py tests/test_kernel_fuzz.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
+    tests/test_kernels.py tests/test_hadamard.py tests/test_kernel_fuzz.py 2>&1 | tail -25
+
+step "4 ranks (2 nodes x 2) of ZeRO++ on the one GPU, a CUDA stream per rank, against the same ranks on CPU"
+timeout 180 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_threaded_ranks.py 2>&1 | tail -25
 
 step "kernel bandwidth"
-timeout 240 $PYTHON -m scripts.benchmarks.kernels --device cuda --sizes 1M,16M,256M --reps 5 --out "$OUT"
+timeout 240 $PYTHON -m scripts.benchmarks.kernels --device cuda --sizes ${SIZES:-1M,16M,256M} --reps 5 ${COMPILED_ONLY:+--compiled-only} --out "$OUT"
+for version in "${versions[@]}"; do
+    HF_ZEROPP_KERNEL_SOURCES=${version#*=} timeout 120 $PYTHON -m scripts.benchmarks.kernels --device cuda \
+        --sizes 16M,256M --reps 5 --compiled-only --label "${version%%=*}" --out "$OUT" | tail -14
+done
 
-step "single-GPU end to end"
-timeout 240 $PYTHON -m scripts.benchmarks.gpu_e2e --out "$OUT" --rounds 6
+step "the same 4 ranks under torch's CUDA stream sanitizer"
+TORCH_CUDA_SANITIZER=1 timeout 240 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_threaded_ranks.py \
+    -k "cuda or sanitizer" 2>&1 | tail -25
+
+step "anchor: torchao's blockwise quantization beside ours"
+if [ -n "$TORCHAO_WHEELS" ]; then
+    $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/torchao_site "$TORCHAO_WHEELS"/*.whl \
+        && PYTHONPATH="$PYTHONPATH:/tmp/torchao_site" timeout 240 $PYTHON -m scripts.benchmarks.kernels \
+            --device cuda --sizes 16M,256M --reps 5 --compiled-only --torchao --label torchao --out "$OUT" | tail -16
+else
+    echo "TORCHAO_WHEELS not set"
+fi
 
 step "Nsight Compute: quantize int8, dequantize int8, swizzle_quantize int4 + Hadamard 64 at 256M bf16 elements"
 if command -v ncu >/dev/null; then

@@ -106,6 +106,30 @@ class _Scatter(_compat.ReduceScatter):
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
+def _threaded_ranks_sum() -> list[list[float]]:
+    """Three rank threads all-reduce their rank + 1 twice and return what they saw."""
+    import threading
+
+    seen: list = [None] * 3
+    with _compat.threaded_process_groups() as (store, stop_all):
+        def rank_main(rank):
+            dist.init_process_group("threaded", rank=rank, world_size=3, store=store)
+            totals = []
+            for _ in range(2):
+                value = torch.tensor([rank + 1.0])
+                dist.all_reduce(value)
+                totals.append(float(value))
+            seen[rank] = totals
+            dist.destroy_process_group()
+
+        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    return seen
+
+
 def _parameters(function) -> list[str]:
     return list(inspect.signature(function).parameters)
 
@@ -120,6 +144,10 @@ def test_torch_fsdp2_internals(one_rank_group):
     with entry("default_store"):
         store = _compat.default_store()
         assert store.add("compat/counter", 1) == 1 and store.add("compat/counter", 1) == 2
+    with entry("threaded_process_groups"):
+        seen_by_rank = _threaded_ranks_sum()
+        assert seen_by_rank == [[6.0, 6.0], [6.0, 6.0], [6.0, 6.0]], seen_by_rank
+        assert dist.get_world_size() == 1  # this process's own group is back
 
     with entry("AllGather"):
         assert isinstance(_compat.AllGather, type), _compat.AllGather
@@ -157,7 +185,11 @@ def test_torch_fsdp2_internals(one_rank_group):
             fully_shard(block, mesh=world_mesh, reshard_after_forward=True)
             fully_shard(model, mesh=world_mesh, reshard_after_forward=False)
         assert seen == [True, False], seen  # fully_shard asked the override for both units
-        assert fsdp_internal._get_post_forward_mesh_info is original  # and it is undone
+        other = nn.Linear(2, 2)
+        fully_shard(other, mesh=world_mesh, reshard_after_forward=True)
+        assert seen == [True, False], seen  # outside the block FSDP's own is used
+        if original.__name__ == "_get_post_forward_mesh_info":  # the first override in this process installs it
+            assert fsdp_internal._get_post_forward_mesh_info is not original
     with entry("fsdp_param_groups"):
         block_groups, root_groups = _compat.fsdp_param_groups(block), _compat.fsdp_param_groups(model)
         assert len(block_groups) == 1 and len(root_groups) == 1, (block_groups, root_groups)

@@ -136,3 +136,18 @@ def test_two_checkouts_with_the_same_sources_share_one_build(tmp_path):
     header = other_checkout / "cuda" / "counter_hash.h"
     header.write_text(header.read_text() + "\n// edit\n")
     assert _build.extension_name(_build.CPU_EXTENSION, other_checkout / "cuda") != name  # a header edit: new build
+
+
+def test_another_version_of_the_kernels_is_named_by_its_folder_and_built_under_its_own_hash(tmp_path, monkeypatch):
+    """HF_ZEROPP_KERNEL_SOURCES points the build at another version of the sources (two versions timed on one
+    machine): it gets its own build, so the two never overwrite each other."""
+    ours = _build.extension_name(_build.CUDA_EXTENSION)
+    variant = tmp_path / "variant"
+    shutil.copytree(_build.source_dir(), variant)
+    (variant / "quant_kernels.cu").write_text("#define HF_ZEROPP_DEQUANTIZE_TILES 1\n"
+                                              + (variant / "quant_kernels.cu").read_text())
+    monkeypatch.setenv("HF_ZEROPP_KERNEL_SOURCES", str(variant))
+    assert _build.source_dir() == variant.resolve()
+    assert _build.extension_name(_build.CUDA_EXTENSION) != ours
+    monkeypatch.delenv("HF_ZEROPP_KERNEL_SOURCES")
+    assert _build.extension_name(_build.CUDA_EXTENSION) == ours

@@ -38,7 +38,11 @@ _failures: dict[str, str] = {}
 
 
 def source_dir() -> Path:
-    """Kernel sources: ``hf_zeropp/_csrc`` in an installed wheel, the repository's ``cuda/`` in a checkout."""
+    """Kernel sources: ``HF_ZEROPP_KERNEL_SOURCES`` when set (another version of the kernels, built under its own
+    hash, as scripts/gpu_check.sh does to time two versions on one machine), else ``hf_zeropp/_csrc`` in an
+    installed wheel, else the repository's ``cuda/`` in a checkout."""
+    if os.environ.get("HF_ZEROPP_KERNEL_SOURCES"):
+        return Path(os.environ["HF_ZEROPP_KERNEL_SOURCES"]).resolve()
     package = Path(__file__).resolve().parent.parent
     for candidate in (package / "_csrc", package.parent / "cuda"):
         if (candidate / "cpu_kernels.cpp").is_file():

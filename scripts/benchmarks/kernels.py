@@ -1,6 +1,7 @@
 """Kernel throughput: every op's effective bandwidth beside a plain copy of the same bytes and beside the reference.
 
     python -m scripts.benchmarks.kernels [--device cpu|cuda] [--sizes 1M,4M,16M,64M] [--dtype bf16] [--out bench/]
+        [--label NAME] [--compiled-only] [--torchao]
 
 Effective bandwidth = (bytes read + bytes written) / median time. "copy" is ``dst.copy_(src)`` of a buffer the
 size of the op's input on the same device — the physical limit a memory-bound kernel can approach. Dequantize
@@ -10,6 +11,11 @@ CPU ``cpp`` >= 5x the reference for INT8/INT4 quantize and dequantize at 16M ele
 bandwidth at >= 16M elements and >= 5x the reference; ``swizzle_quantize`` within 10 % of plain ``quantize``.
 It also prints the cost of qgZ's Hadamard rotation (docs/accuracy.md, "Beyond ZeRO++"): the two ops that rotate, with ``hadamard=64``,
 timed against the same ops without it.
+
+``--compiled-only`` skips the reference (timing another version of the kernels, built from
+``HF_ZEROPP_KERNEL_SOURCES``; ``--label`` names its files). ``--torchao`` adds the side-by-side anchor: torchao's
+Triton blockwise quantization (bf16 -> fp8 in blocks of 1 x 128, one fp32 scale per block) beside our INT8
+quantization with blocks of 128, at each size, on the same device.
 """
 
 from __future__ import annotations
@@ -83,12 +89,28 @@ def _ops(n: int, dtype: torch.dtype, device: torch.device):
     return x, ops
 
 
-def run(device: torch.device, sizes: list[int], dtype_name: str, reps: int) -> list[dict]:
+def _torchao_anchor(n: int, dtype: torch.dtype, device: torch.device):
+    """(name, callable(backend), bytes moved) for torchao's 1 x 128 fp8 blockwise quantization and ours with blocks
+    of 128 on the same (rows, 65536) input; torchao raises ImportError where it is not installed."""
+    from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_blockwise_act_quant_lhs
+
+    x = torch.randn(n, device=device).to(dtype).view(-1, 1 << 16)
+    scales = 4 * n // 128
+    return [("torchao fp8 blockwise quantize (1x128)", lambda b: triton_fp8_blockwise_act_quant_lhs(x, 128),
+             n * x.element_size() + n + scales),
+            ("quantize int8 (block 128)", lambda b: K.quantize(x, 8, 128, backend=b), n * x.element_size() + n + scales)]
+
+
+def run(device: torch.device, sizes: list[int], dtype_name: str, reps: int, compiled_only: bool = False,
+        torchao: bool = False) -> list[dict]:
     dtype = DTYPES[dtype_name]
     compiled = K.active_backend(device)
+    backends = [compiled] if compiled_only else list(dict.fromkeys([compiled, "reference"]))
     rows = []
     for n in sizes:
         x, ops = _ops(n, dtype, device)
+        if torchao:
+            ops = _torchao_anchor(n, dtype, device) + ops
         src = torch.empty(n * x.element_size(), dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         copy_time = _time(lambda: dst.copy_(src), device, reps)
@@ -96,17 +118,19 @@ def run(device: torch.device, sizes: list[int], dtype_name: str, reps: int) -> l
         for name, fn, moved in ops:
             row = {"device": device.type, "dtype": dtype_name, "elements": n, "op": name, "bytes": moved,
                    "copy_GBps": copy_bw / 1e9}
-            for backend in dict.fromkeys([compiled, "reference"]):
+            for backend in backends if not name.startswith("torchao") else [compiled]:
                 seconds = _time(lambda: fn(backend), device, reps)
                 row[f"{backend}_ms"] = seconds * 1e3
                 row[f"{backend}_GBps"] = moved / seconds / 1e9
             row["compiled_backend"] = compiled
             row["fraction_of_copy"] = row[f"{compiled}_GBps"] / row["copy_GBps"]
-            row["speedup_vs_reference"] = row["reference_ms"] / row[f"{compiled}_ms"]
+            if "reference_ms" in row:
+                row["speedup_vs_reference"] = row["reference_ms"] / row[f"{compiled}_ms"]
             rows.append(row)
+            versus = (f"reference: {row['reference_ms']:9.3f} ms  x{row['speedup_vs_reference']:.1f}"
+                      if "reference_ms" in row else "")
             print(f"{n:>11,d} {name:<38} {compiled}: {row[f'{compiled}_ms']:9.3f} ms "
-                  f"{row[f'{compiled}_GBps']:7.2f} GB/s ({row['fraction_of_copy']:.0%} of copy)  "
-                  f"reference: {row['reference_ms']:9.3f} ms  x{row['speedup_vs_reference']:.1f}", flush=True)
+                  f"{row[f'{compiled}_GBps']:7.2f} GB/s ({row['fraction_of_copy']:.0%} of copy)  {versus}", flush=True)
     return rows
 
 
@@ -115,9 +139,10 @@ def markdown(rows: list[dict]) -> str:
     lines = [f"| elements | op | {compiled} ms | {compiled} GB/s | copy GB/s | % of copy | reference ms | speed-up |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        reference = (f"{r['reference_ms']:.3f} | {r['speedup_vs_reference']:.1f}x" if "reference_ms" in r
+                     else "- | -")
         lines.append(f"| {r['elements']:,} | {r['op']} | {r[f'{compiled}_ms']:.3f} | {r[f'{compiled}_GBps']:.2f} | "
-                     f"{r['copy_GBps']:.2f} | {r['fraction_of_copy']:.0%} | {r['reference_ms']:.3f} | "
-                     f"{r['speedup_vs_reference']:.1f}x |")
+                     f"{r['copy_GBps']:.2f} | {r['fraction_of_copy']:.0%} | {reference} |")
     return "\n".join(lines)
 
 
@@ -126,7 +151,7 @@ def targets(rows: list[dict]) -> list[str]:
     big = [r for r in rows if r["elements"] >= 16 * (1 << 20)]
     at16 = [r for r in rows if r["elements"] == 16 * (1 << 20)] or big[:0]
     for r in at16:
-        if r["op"].startswith(("quantize", "dequantize")):
+        if r["op"].startswith(("quantize", "dequantize")) and "reference_ms" in r:
             ok = r["speedup_vs_reference"] >= 5
             verdicts.append(f"{'met ' if ok else 'MISSED'} {r['op']} @16M: {r['speedup_vs_reference']:.1f}x reference "
                             f"(target >= 5x)")
@@ -157,16 +182,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="bench", help="folder for kernels.json and kernels.md")
+    parser.add_argument("--label", default="", help="suffix of the output files (another version of the kernels)")
+    parser.add_argument("--compiled-only", action="store_true", help="time the compiled kernels, not the reference")
+    parser.add_argument("--torchao", action="store_true", help="add torchao's blockwise quantization as an anchor")
     args = parser.parse_args()
     device = torch.device(args.device)
     default = "1M,4M,16M,64M" if device.type == "cpu" else "1M,4M,16M,64M,256M"
     sizes = [_parse_size(s) for s in (args.sizes or default).split(",")]
-    rows = run(device, sizes, args.dtype, args.reps)
+    rows = run(device, sizes, args.dtype, args.reps, args.compiled_only, args.torchao)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"kernels_{device.type}.json").write_text(json.dumps(rows, indent=2))
+    stem = f"kernels_{device.type}{'_' + args.label if args.label else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
     report = markdown(rows) + "\n\n" + "\n".join(f"- {v}" for v in targets(rows)) + "\n"
-    (out / f"kernels_{device.type}.md").write_text(report)
+    (out / f"{stem}.md").write_text(report)
     print("\n" + report)
 
 
