@@ -54,11 +54,11 @@ build CUDA_EXTENSION || { echo "CUDA build failed"; exit 1; }
 for pid in "${pids[@]}"; do wait "$pid" || echo "a build failed (pid $pid); its version is not timed"; done
 
 step "CUDA tests"
-timeout 300 $PYTHON -m pytest -q -p no:cacheprovider -n 8 -k cuda \
+timeout 200 $PYTHON -m pytest -q -p no:cacheprovider -n 8 -k cuda \
     tests/test_kernels.py tests/test_hadamard.py tests/test_kernel_fuzz.py 2>&1 | tail -25
 
 step "4 ranks (2 nodes x 2) of ZeRO++ on the one GPU, a CUDA stream per rank, against the same ranks on CPU"
-timeout 180 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_threaded_ranks.py 2>&1 | tail -25
+timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_threaded_ranks.py 2>&1 | tail -25
 
 step "kernel bandwidth"
 timeout 240 $PYTHON -m scripts.benchmarks.kernels --device cuda --sizes ${SIZES:-1M,16M,256M} --reps 5 ${COMPILED_ONLY:+--compiled-only} --out "$OUT"
@@ -68,13 +68,13 @@ for version in "${versions[@]}"; do
 done
 
 step "the same 4 ranks under torch's CUDA stream sanitizer"
-TORCH_CUDA_SANITIZER=1 timeout 240 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_threaded_ranks.py \
+TORCH_CUDA_SANITIZER=1 timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_threaded_ranks.py \
     -k "cuda or sanitizer" 2>&1 | tail -25
 
 step "anchor: torchao's blockwise quantization beside ours"
 if [ -n "$TORCHAO_WHEELS" ]; then
     $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/torchao_site "$TORCHAO_WHEELS"/*.whl \
-        && PYTHONPATH="$PYTHONPATH:/tmp/torchao_site" timeout 240 $PYTHON -m scripts.benchmarks.kernels \
+        && PYTHONPATH="$PYTHONPATH:/tmp/torchao_site" timeout 150 $PYTHON -m scripts.benchmarks.kernels \
             --device cuda --sizes 16M,256M --reps 5 --compiled-only --torchao --label torchao --out "$OUT" | tail -16
 else
     echo "TORCHAO_WHEELS not set"
@@ -92,7 +92,7 @@ K.dequantize(*q8, bits=8, block_size=256, dtype=torch.bfloat16, out=torch.empty_
 K.swizzle_quantize(x.reshape(-1), 2, 4, 2, 4, 256, hadamard=64)
 torch.cuda.synchronize()
 EOF
-    timeout 180 ncu --clock-control none --kernel-name-base demangled -k "regex:hf_zeropp" --section SpeedOfLight \
+    timeout 100 ncu --clock-control none --kernel-name-base demangled -k "regex:hf_zeropp" --section SpeedOfLight \
         --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis $PYTHON "$probe" > "$OUT/ncu.txt" 2>&1
     echo "ncu exit $?"
     grep -E "DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Theoretical Occupancy|Registers|stalled" \
