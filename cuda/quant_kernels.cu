@@ -49,21 +49,6 @@ constexpr int kSplitGroup = 256;                   // G of the split (multi-tile
 constexpr int64_t kSplitTile = int64_t(kSplitGroup) * kChunksPerThread * kChunk;
 constexpr int64_t kDequantTile = 32 * 2 * kChunk;  // largest tile of dequantization (shape 32 x 2)
 
-// Tiles a group loads before it computes on the first of them: a thread's own chunks of one tile are 16-32 bytes of
-// loads, too few to cover memory latency at the occupancy the registers allow, so the loads of the next tiles are
-// issued before the reductions and stores of this one. Quantization holds its tiles as fp32 values (8 registers per
-// chunk), so it takes fewer than dequantization. The values can be set at build time (1 = one tile at a time), for
-// the side-by-side measurement in scripts/gpu_check.sh.
-#ifndef HF_ZEROPP_QUANTIZE_TILES
-#define HF_ZEROPP_QUANTIZE_TILES 2
-#endif
-#ifndef HF_ZEROPP_DEQUANTIZE_TILES
-#define HF_ZEROPP_DEQUANTIZE_TILES 4
-#endif
-constexpr int kQuantizeTiles = HF_ZEROPP_QUANTIZE_TILES;
-constexpr int kDequantizeTiles = HF_ZEROPP_DEQUANTIZE_TILES;
-static_assert(kQuantizeTiles >= 1 && kDequantizeTiles >= 1, "at least one tile in flight");
-
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t packed_length(int64_t length, int bits) { return bits == 8 ? length : (length + 1) / 2; }
 
@@ -353,17 +338,16 @@ __device__ __forceinline__ uint32_t group_max(uint32_t v) {
 
 // Rotates the tile's values in place (n valid elements; see "Hadamard rotation" above). Every lane of the group runs
 // every shuffle; an element outside a whole group keeps its value.
-// kFull: the tile is whole (n == G * C * kChunk, the common case), so every element takes part and no per-element
-// mask is kept in registers (with masks the rotation spills).
-template <int G, int C, bool kFull>
-__device__ __forceinline__ void rotate_values(float v[C][kChunk], int n, int lane, const Rotation& rot) {
+template <int G, int C>
+__device__ __forceinline__ void rotate_tile(float v[C][kChunk], int n, int lane, const Rotation& rot) {
+  if (rot.size == 0) return;
   const int span = rot.size - 1;
   // whole[c][j]: the element's rotation group ends inside the tile
   bool whole[C][kChunk];
 #pragma unroll
   for (int c = 0; c < C; ++c) {
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) whole[c][j] = kFull || (((c * G + lane) * kChunk + j) | span) < n;
+    for (int j = 0; j < kChunk; ++j) whole[c][j] = (((c * G + lane) * kChunk + j) | span) < n;
   }
 #pragma unroll
   for (int h = 1; h < kChunk; h *= 2) {
@@ -419,18 +403,6 @@ __device__ __forceinline__ void rotate_values(float v[C][kChunk], int n, int lan
     for (int j = 0; j < kChunk; ++j) {
       if (whole[c][j]) v[c][j] = __fmul_rn(v[c][j], rot.norm);
     }
-  }
-}
-
-template <int G, int C>
-__device__ __forceinline__ void rotate_tile(float v[C][kChunk], int n, int lane, const Rotation& rot) {
-  if (rot.size == 0) return;
-  // A whole tile holds whole rotation groups when it is at least one group long: both sizes are powers of two and
-  // tiles start at multiples of the group size. A row shorter than a group is a shorter tile, and is not rotated.
-  if (n == G * C * kChunk && G * C * kChunk >= rot.size) {  // uniform over the group, as n is
-    rotate_values<G, C, true>(v, n, lane, rot);
-  } else {
-    rotate_values<G, C, false>(v, n, lane, rot);
   }
 }
 
@@ -538,72 +510,54 @@ struct QuantTarget {
 // at zero; kApply reads it back and writes the codes; absmax_to_scale_kernel then turns the slots into scales.
 enum class Pass { kFused, kAbsmax, kApply };
 
-// Tiles in flight for a shape: the fp32 values of kTiles tiles of C chunks stay within 32 registers per thread.
-template <int C, int kTiles>
-constexpr int tiles_in_flight() {
-  return C * kTiles <= 4 ? kTiles : (4 / C > 1 ? 4 / C : 1);
-}
-
-// The group's tiles are first, first + stride, first + 2 * stride, ...; U of them are loaded before the first is
-// computed on. Every tile is quantized exactly as alone: the order of tiles changes nothing in the output.
-template <class Source, int G, int C, Pass kPass, int U>
+template <class Source, int G, int C, Pass kPass>
 __global__ void __launch_bounds__(Group<G>::kCta)
     quantize_kernel(const Source src, const QuantTarget out, const TileGrid grid) {
   constexpr int kTile = G * C * kChunk;
   const int lane = static_cast<int>(threadIdx.x) % G;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * Group<G>::kPerCta;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G; first < grid.tiles;
-       first += stride * U) {
-    Tile tiles[U];
-    int64_t src_rows[U];
-    float v[U][C][kChunk];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // uniform over the group: every lane has the same tile
-      const int64_t t = first + u * stride;
-      tiles[u] = t < grid.tiles ? locate<kTile>(grid, t) : Tile{0, 0, 0, 0};
-      src_rows[u] = src.source_row(tiles[u].row);
-      if (tiles[u].n > 0) src.template load<G, C>(src_rows[u], tiles[u].block, tiles[u].col, tiles[u].n, lane, v[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const Tile& tile = tiles[u];
-      if (tile.n == 0) continue;
-      rotate_tile<G, C>(v[u], tile.n, lane, out.rotation);
-      float* slot = out.scales + tile.row * grid.blocks_per_row + tile.block;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G; t < grid.tiles;
+       t += stride) {
+    const Tile tile = locate<kTile>(grid, t);
+    if (tile.n == 0) continue;  // uniform over the group
+    const int64_t src_row = src.source_row(tile.row);
+    float v[C][kChunk];
+    src.template load<G, C>(src_row, tile.block, tile.col, tile.n, lane, v);
+    rotate_tile<G, C>(v, tile.n, lane, out.rotation);
+    float* slot = out.scales + tile.row * grid.blocks_per_row + tile.block;
 
-      float absmax;
-      if constexpr (kPass == Pass::kApply) {
-        absmax = *slot;
-      } else {
-        uint32_t bits = 0;
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-#pragma unroll
-          for (int j = 0; j < kChunk; ++j) bits = max(bits, __float_as_uint(v[u][c][j]) & 0x7FFFFFFFu);
-        }
-        bits = group_max<G>(bits);
-        if constexpr (kPass == Pass::kAbsmax) {
-          if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(slot), bits);
-          continue;
-        }
-        absmax = __uint_as_float(bits);
-      }
-      const float scale = __fdiv_rn(absmax, out.quantizer.qmax);
-      if (kPass == Pass::kFused && lane == 0) *slot = scale;
-      const bool usable = scale != 0.0f && isfinite(scale);
-
-      const int64_t index = src_rows[u] * grid.length + tile.col;  // the element's flat position in the source
-      int8_t* codes = out.codes + tile.row * out.packed;
+    float absmax;
+    if constexpr (kPass == Pass::kApply) {
+      absmax = *slot;
+    } else {
+      uint32_t bits = 0;
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        const int offset = (c * G + lane) * kChunk;
-        const int cnt = chunk_count(tile.n, offset);
-        if (cnt == 0) continue;
-        int q[kChunk];
-        out.quantizer(v[u][c], cnt, scale, usable, index + offset, q);
-        const int64_t col = tile.col + offset;
-        store_codes(codes + (out.bits == 8 ? col : col / 2), out.bits, cnt, q);
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) bits = max(bits, __float_as_uint(v[c][j]) & 0x7FFFFFFFu);
       }
+      bits = group_max<G>(bits);
+      if constexpr (kPass == Pass::kAbsmax) {
+        if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(slot), bits);
+        continue;
+      }
+      absmax = __uint_as_float(bits);
+    }
+    const float scale = __fdiv_rn(absmax, out.quantizer.qmax);
+    if (kPass == Pass::kFused && lane == 0) *slot = scale;
+    const bool usable = scale != 0.0f && isfinite(scale);
+
+    const int64_t index = src_row * grid.length + tile.col;  // the element's flat position in the source
+    int8_t* codes = out.codes + tile.row * out.packed;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int offset = (c * G + lane) * kChunk;
+      const int cnt = chunk_count(tile.n, offset);
+      if (cnt == 0) continue;
+      int q[kChunk];
+      out.quantizer(v[c], cnt, scale, usable, index + offset, q);
+      const int64_t col = tile.col + offset;
+      store_codes(codes + (out.bits == 8 ? col : col / 2), out.bits, cnt, q);
     }
   }
 }
@@ -615,40 +569,30 @@ __global__ void absmax_to_scale_kernel(float* scales, int64_t count, float qmax)
   }
 }
 
-// out = rotate(sum of the source's inputs) * post_scale, cast with round-to-nearest-even; U tiles loaded before the
-// first is stored, as in quantize_kernel.
-template <typename OutT, int G, int C, int U>
+// out = rotate(sum of the source's inputs) * post_scale, cast with round-to-nearest-even.
+template <typename OutT, int G, int C>
 __global__ void __launch_bounds__(Group<G>::kCta)
     dequant_kernel(const ReduceSource src, OutT* __restrict__ out, const float post_scale, const Rotation rotation,
                    const TileGrid grid) {
   constexpr int kTile = G * C * kChunk;
   const int lane = static_cast<int>(threadIdx.x) % G;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * Group<G>::kPerCta;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G; first < grid.tiles;
-       first += stride * U) {
-    Tile tiles[U];
-    float v[U][C][kChunk];
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G; t < grid.tiles;
+       t += stride) {
+    const Tile tile = locate<kTile>(grid, t);
+    if (tile.n == 0) continue;
+    float v[C][kChunk];
+    src.load<G, C>(tile.row, tile.block, tile.col, tile.n, lane, v);
+    rotate_tile<G, C>(v, tile.n, lane, rotation);
+    OutT* p = out + tile.row * grid.length + tile.col;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t t = first + u * stride;
-      tiles[u] = t < grid.tiles ? locate<kTile>(grid, t) : Tile{0, 0, 0, 0};
-      if (tiles[u].n > 0) src.load<G, C>(tiles[u].row, tiles[u].block, tiles[u].col, tiles[u].n, lane, v[u]);
-    }
+    for (int c = 0; c < C; ++c) {
+      const int offset = (c * G + lane) * kChunk;
+      const int cnt = chunk_count(tile.n, offset);
+      if (cnt == 0) continue;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const Tile& tile = tiles[u];
-      if (tile.n == 0) continue;
-      rotate_tile<G, C>(v[u], tile.n, lane, rotation);
-      OutT* p = out + tile.row * grid.length + tile.col;
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const int offset = (c * G + lane) * kChunk;
-        const int cnt = chunk_count(tile.n, offset);
-        if (cnt == 0) continue;
-#pragma unroll
-        for (int j = 0; j < kChunk; ++j) v[u][c][j] = __fmul_rn(v[u][c][j], post_scale);
-        store_values(p + offset, cnt, v[u][c]);
-      }
+      for (int j = 0; j < kChunk; ++j) v[c][j] = __fmul_rn(v[c][j], post_scale);
+      store_values(p + offset, cnt, v[c]);
     }
   }
 }
@@ -715,8 +659,6 @@ unsigned grid_size(int64_t work_items, int items_per_cta, int cta_threads) {
   return static_cast<unsigned>(needed < cap ? (needed > 0 ? needed : 1) : cap);
 }
 
-// One tile per group is enough to size the grid: a group's further tiles in flight come from the grid-stride loop
-// and are absent for inputs smaller than two waves, which keep every SM busy without them.
 template <class Shape_, class Kernel, class... Args>
 cudaError_t launch_tiles(Kernel kernel, const TileGrid& grid, cudaStream_t stream, const Args&... args) {
   using G = Group<Shape_::kG>;
@@ -752,20 +694,18 @@ cudaError_t run_quantize(const Source& src, int64_t rows, int64_t length, int bi
     return with_block_shape<kMaxFusedBlock>(block, [&](auto shape) {
       using S = decltype(shape);
       const TileGrid grid = make_grid(rows, length, block, int64_t(S::kG) * S::kC * kChunk);
-      constexpr int kU = tiles_in_flight<S::kC, kQuantizeTiles>();
-      return launch_tiles<S>(quantize_kernel<Source, S::kG, S::kC, Pass::kFused, kU>, grid, stream, src, out);
+      return launch_tiles<S>(quantize_kernel<Source, S::kG, S::kC, Pass::kFused>, grid, stream, src, out);
     });
   }
   const TileGrid grid = make_grid(rows, length, block, kSplitTile);
   const int64_t slots = rows * grid.blocks_per_row;
   cudaError_t err = cudaMemsetAsync(scales, 0, static_cast<size_t>(slots) * sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  constexpr int kU = tiles_in_flight<SplitShape::kC, kQuantizeTiles>();
-  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kAbsmax, kU>, grid,
+  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kAbsmax>, grid,
                                  stream, src, out);
   if (err != cudaSuccess) return err;
-  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kApply, kU>, grid,
-                                 stream, src, out);
+  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kApply>, grid, stream,
+                                 src, out);
   if (err != cudaSuccess) return err;
   absmax_to_scale_kernel<<<grid_size(slots, 256, 256), 256, 0, stream>>>(scales, slots, qmax);
   return cudaGetLastError();
@@ -789,8 +729,8 @@ cudaError_t run_dequant(const ReduceSource& src, int64_t rows, int64_t length, i
     return with_block_shape<kDequantTile>(shape_block, [&](auto shape) {
       using S = decltype(shape);
       const TileGrid grid = make_grid(rows, length, block, int64_t(S::kG) * S::kC * kChunk);
-      return launch_tiles<S>(dequant_kernel<T, S::kG, S::kC, kDequantizeTiles>, grid, stream, src,
-                             static_cast<T*>(out), post_scale, make_rotation(hadamard));
+      return launch_tiles<S>(dequant_kernel<T, S::kG, S::kC>, grid, stream, src, static_cast<T*>(out), post_scale,
+                             make_rotation(hadamard));
     });
   });
 }

@@ -136,8 +136,7 @@ def _cuda_threads(state: dict) -> list[dict]:
 
 @needs_cuda
 def test_zeropp_on_four_cuda_ranks_of_one_gpu_equals_the_cpu_run(cpu_threads):
-    """4 ranks (2 nodes x 2) on one GPU, each on its own stream; run with TORCH_CUDA_SANITIZER=1 as well
-    (scripts/gpu_check.sh does), which fails a rank at the first unsynchronised access."""
+    """4 ranks (2 nodes x 2) on one GPU, each on its own stream."""
     cuda = _cuda_threads(_initial_state())
     for rank in range(WORLD):
         for key, value in cpu_threads[rank]["collectives"].items():
@@ -159,8 +158,22 @@ def test_zeropp_on_four_cuda_ranks_of_one_gpu_equals_the_cpu_run(cpu_threads):
                 torch.testing.assert_close(cuda_param, cpu_param, rtol=0, atol=LR * STEPS * 0.05)
 
 
+under_the_sanitizer = pytest.mark.skipif(os.environ.get("TORCH_CUDA_SANITIZER") != "1",
+                                         reason="run with TORCH_CUDA_SANITIZER=1")
+
+
 @needs_cuda
-@pytest.mark.skipif(os.environ.get("TORCH_CUDA_SANITIZER") != "1", reason="run with TORCH_CUDA_SANITIZER=1")
+@under_the_sanitizer
+def test_four_cuda_ranks_of_zeropp_pass_the_stream_sanitizer():
+    """The same steps on the 4 CUDA ranks with torch's stream sanitizer in every rank thread: a rank that reads a
+    buffer before the stream writing it is done (or writes one another stream still reads) fails."""
+    for rank, result in enumerate(_cuda_threads(_initial_state())):
+        for name in CONFIGS:
+            assert bool(torch.isfinite(result["runs"][name]["losses"]).all()), f"rank {rank} {name}"
+
+
+@needs_cuda
+@under_the_sanitizer
 def test_the_sanitizer_is_active_in_every_rank_thread():
     """The check above means something under the sanitizer only if every rank thread runs under it: a read on one
     stream of what another stream wrote, without a wait, must fail a rank."""
