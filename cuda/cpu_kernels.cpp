@@ -861,9 +861,3 @@ void dequantize_allocated_(const at::Tensor& codes, const at::Tensor& scales, in
 }  // namespace
 
 HF_ZEROPP_REGISTER_KERNELS(CPU)
-
-// The per-block-width format has a compiled kernel on the CPU only; CUDA tensors run the plain-torch spec.
-TORCH_LIBRARY_IMPL(hf_zeropp, CPU, m) {
-  m.impl("quantize_allocated", &hf_zeropp::quantize<&quantize_allocated_>);  // same argument order as quantize
-  m.impl("dequantize_allocated", &dequantize_allocated_);
-}

@@ -1,5 +1,5 @@
-// torch binding of the CUDA block-quantization kernels (quant_kernels.cu): argument checks, device guard, stream;
-// registered as the CUDA kernels of torch.ops.hf_zeropp.* (torch_ops.h).
+// torch binding of the CUDA block-quantization kernels (quant_kernels.cu, allocation_kernels.cu): argument checks,
+// device guard, stream; registered as the CUDA kernels of torch.ops.hf_zeropp.* (torch_ops.h).
 //
 // Every function writes into caller-allocated outputs (out-parameter style), so that a collective's buffer can be
 // filled in place; shapes follow hf_zeropp/kernels/reference.py. Work is enqueued on the current stream of the
@@ -202,6 +202,55 @@ void dequant_reduce_(const at::Tensor& codes, const at::Tensor& scales, int64_t 
                                                 static_cast<float>(scale), hadamard, out.mutable_data_ptr(), dtype,
                                                 current_stream(out.device())),
                "dequant_reduce_");
+}
+
+// The per-block-width format's arguments (cpu_kernels.cpp's check_allocated), the fp32 `values` (rows, length) and
+// the codes and scales that encode them, all on one CUDA device.
+void check_allocated(int64_t bits, int64_t block_size, int64_t floor, const at::Tensor& codes,
+                     const at::Tensor& scales, const at::Tensor& values, const char* values_name) {
+  check_bits(bits, "bits");
+  TORCH_CHECK(block_size >= 8 && block_size % 8 == 0, "block_size=", block_size,
+              " must be a positive multiple of 8 for per-block widths");
+  TORCH_CHECK(floor == 0 || (floor >= 2 && floor <= 8), "floor=", floor, " must be 0 or a width from 2 to 8");
+  check_layout(values, values_name, values.device(), 2);
+  check_dtype(values, values_name, at::kFloat);
+  const int64_t rows = values.size(0), length = values.size(1);
+  check_layout(codes, "codes", values.device(), 2);
+  check_dtype(codes, "codes", at::kChar);
+  check_shape(codes, "codes", {rows, packed_length(length, bits)});
+  check_layout(scales, "scales", values.device(), 2);
+  check_dtype(scales, "scales", at::kFloat);
+  check_shape(scales, "scales", {rows, num_blocks(length, block_size)});
+}
+
+// Workspace of the width format's launchers: each block's width (int32) and first code byte (int64).
+std::tuple<at::Tensor, at::Tensor> allocated_workspace(const at::Tensor& scales) {
+  return {at::empty(scales.sizes(), scales.options().dtype(at::kInt)),
+          at::empty(scales.sizes(), scales.options().dtype(at::kLong))};
+}
+
+void quantize_allocated_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+                         int64_t floor, const at::Tensor& codes, const at::Tensor& scales) {
+  check_allocated(bits, block_size, floor, codes, scales, x, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto [widths, starts] = allocated_workspace(scales);
+  check_launch(hf_zeropp::launch_quantize_allocated(
+                   x.const_data_ptr<float>(), x.size(0), x.size(1), static_cast<int>(bits), block_size, stochastic,
+                   seed, floor, widths.mutable_data_ptr<int32_t>(), starts.mutable_data_ptr<int64_t>(),
+                   codes.mutable_data_ptr<int8_t>(), scales.mutable_data_ptr<float>(), current_stream(x.device())),
+               "quantize_allocated_");
+}
+
+void dequantize_allocated_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t block_size,
+                           int64_t floor, const at::Tensor& out) {
+  check_allocated(bits, block_size, floor, codes, scales, out, "out");
+  const c10::cuda::CUDAGuard guard(out.device());
+  auto [widths, starts] = allocated_workspace(scales);
+  check_launch(hf_zeropp::launch_dequantize_allocated(
+                   codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), out.size(0), out.size(1),
+                   static_cast<int>(bits), block_size, floor, widths.mutable_data_ptr<int32_t>(),
+                   starts.mutable_data_ptr<int64_t>(), out.mutable_data_ptr<float>(), current_stream(out.device())),
+               "dequantize_allocated_");
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 // What the CPU (cpu_kernels.cpp) and CUDA (cuda_binding.cpp) bindings share: the output shapes of the block format
 // and the registration of their kernels as torch.ops.hf_zeropp.* (schemas: hf_zeropp/kernels/ops.py).
 //
-// Each binding implements the five kernels as in-place fills of caller-allocated outputs; the functional ops
-// (quantize, swizzle_quantize, dequant_reduce_quant) allocate their outputs here, once for both devices, and the
-// two ops that write into a collective's buffer (dequantize, dequant_reduce) are registered as the fills themselves.
+// Each binding implements the seven kernels as in-place fills of caller-allocated outputs; the functional ops
+// (quantize, swizzle_quantize, dequant_reduce_quant, quantize_allocated) allocate their outputs here, once for both
+// devices, and the ops that write into a collective's buffer (dequantize, dequant_reduce, dequantize_allocated) are
+// registered as the fills themselves. quantize_allocated takes quantize's arguments in quantize's order, its last
+// (`floor`) where quantize has `hadamard`, so it shares quantize's wrapper.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -75,4 +77,6 @@ std::tuple<at::Tensor, at::Tensor> dequant_reduce_quant(const at::Tensor& codes,
     m.impl("swizzle_quantize", &hf_zeropp::swizzle_quantize<&swizzle_quantize_>);                  \
     m.impl("dequant_reduce_quant", &hf_zeropp::dequant_reduce_quant<&dequant_reduce_quant_>);      \
     m.impl("dequant_reduce", &dequant_reduce_);                                                    \
+    m.impl("quantize_allocated", &hf_zeropp::quantize<&quantize_allocated_>);                      \
+    m.impl("dequantize_allocated", &dequantize_allocated_);                                        \
   }

@@ -150,7 +150,7 @@ class ZeroPPConfig:
         False, EXPERIMENTAL,
         "qgZ: the inter-node hop gives each block a width from 0 to 8 bits by its scale (more bits to larger "
         "blocks), averaging `gradient_bits` in the same bytes: least L2 error, not least Adam update error (it raised "
-        "one measured case's loss); C++ kernel on CPU, plain torch on CUDA (said when sharding)")
+        "one measured case's loss); compiled kernels on CPU and CUDA, plain torch elsewhere (said when sharding)")
     gradient_bit_allocation_floor: int = _option(
         0, EXPERIMENTAL,
         "with `gradient_bit_allocation`: no nonzero block gets fewer bits than this (0 = no floor; 2 to "

@@ -123,9 +123,9 @@ class BlockQuantizedPayload:
         if not self.allocate_bits:
             return ""
         floor = f", at least {self.width_floor} bits per nonzero block" if self.width_floor else ""
-        # only the CPU has a compiled kernel for the width format; elsewhere its plain-torch spec runs
-        compiled = kernels.active_backend(device, self.backend) == "cpp"
-        return f", per-block bit widths on the inter-node hop{floor} ({'C++ kernel' if compiled else 'plain torch'})"
+        implementation = {"cpp": "C++ kernel", "cuda": "CUDA kernel"}.get(kernels.active_backend(device, self.backend),
+                                                                          "plain torch")
+        return f", per-block bit widths on the inter-node hop{floor} ({implementation})"
 
 
 class ErrorFeedback:

@@ -45,19 +45,20 @@ def _report_techniques_that_cannot_apply(state: ZeroPPState) -> None:
 
 def _report_width_format_without_kernel(state: ZeroPPState) -> None:
     """Warn once (rank 0) when qgZ's per-block widths will run as their plain-torch specification because the
-    device has no compiled kernel for them (the CPU has one; CUDA has none yet): the same format, slower, and a user
-    who chose the compiled kernels would not otherwise learn that this hop does not use them. comm_stats shows
-    it in qgZ's implementation line ("plain torch")."""
+    device has no compiled kernel for them (CPU and CUDA have one): the same format, but slower than the fixed
+    format's plain torch (its width rule is a bisection that waits on the device at every step). Not said where
+    plain torch everywhere was asked for (``kernel_backend: reference``): the widths are then no exception.
+    comm_stats shows it in qgZ's implementation line ("plain torch")."""
     config, topology = state.config, state.topology
     if not (config.quantized_gradients and config.gradient_bit_allocation and topology.nodes > 1):
         return
-    if topology.device_type == "cpu" or config.kernel_backend == "reference":
+    if topology.device_type in ("cpu", "cuda") or config.kernel_backend == "reference":
         return
     if topology.rank == 0:
         warnings.warn(f"hf_zeropp: gradient_bit_allocation runs its plain-torch specification on "
-                      f"{topology.device_type}: the per-block width format has a compiled kernel for CPU only, so "
-                      f"qgZ's inter-node hop is slower than with the fixed format (same bytes, same format). Set "
-                      f"gradient_bit_allocation: false to keep every qgZ step in the fused kernels", stacklevel=4)
+                      f"{topology.device_type}: the per-block width format has compiled kernels for CPU and CUDA "
+                      f"only, so qgZ's inter-node hop is slower than with the fixed format (same bytes, same format). "
+                      f"Set gradient_bit_allocation: false to keep that hop as fast as qgZ's others", stacklevel=4)
 
 
 def _report_whole_model_as_one_unit(model: nn.Module, state: ZeroPPState, has_blocks: bool) -> None:

@@ -344,16 +344,17 @@ def test_options_of_the_inter_node_hop_that_cannot_apply_are_reported(nodes, nod
 
 
 @pytest.mark.parametrize("device_type,backend,nodes,rank,warns", [
-    ("cuda", None, 2, 0, True),       # CUDA kernels for the rest, the width format's spec for this hop
-    ("cuda", "cuda", 2, 0, True),
-    ("cuda", None, 2, 1, False),      # said by rank 0 only
-    ("cuda", "reference", 2, 0, False),  # plain torch everywhere was asked for
-    ("cuda", None, 1, 0, False),      # one node: the widths do not apply (reported as such elsewhere)
+    ("xpu", None, 2, 0, True),        # no compiled kernel for the device: the width format's spec runs
+    ("xpu", None, 2, 1, False),       # said by rank 0 only
+    ("xpu", "reference", 2, 0, False),  # plain torch everywhere was asked for
+    ("xpu", None, 1, 0, False),       # one node: the widths do not apply (reported as such elsewhere)
+    ("cuda", None, 2, 0, False),      # the CUDA kernel runs
+    ("cuda", "cuda", 2, 0, False),
     ("cpu", None, 2, 0, False),       # the C++ kernel runs
 ])
 def test_widths_on_a_device_without_their_kernel_are_said_once(device_type, backend, nodes, rank, warns):
-    """The width format has a compiled kernel for CPU only: on CUDA its plain-torch spec runs, slower than the
-    fused kernels the rest of qgZ uses. That is said once, naming the option that avoids it, not left silent."""
+    """The width format has compiled kernels for CPU and CUDA; on another device its plain-torch spec runs, slower
+    than the fixed format there. That is said once, naming the option that avoids it, not left silent."""
     import warnings
 
     from hf_zeropp.comm_meter import CommMeter

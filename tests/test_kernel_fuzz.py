@@ -1,6 +1,6 @@
 """Property-based fuzzing of the quantization kernels: the compiled backends ("cpp" on CPU tensors, "cuda" on CUDA
 tensors where a GPU is visible) must equal the plain-torch reference on CPU ("reference") bit for bit on *any* input
-the public API accepts. The per-block-width format has no CUDA kernel, so its tests run "cpp" only.
+the public API accepts.
 
 ``tests/test_kernels.py`` checks hand-picked shapes; here hypothesis draws the shapes (0 and 1 elements, primes,
 lengths that leave tail blocks), dtypes (fp32/fp16/bf16), bits, block sizes (odd ones only where 8-bit allows
@@ -264,12 +264,13 @@ WIDTH_BLOCKS = st.one_of(st.sampled_from([8, 16, 64, 256]), st.integers(1, 40).m
 FLOORS = st.sampled_from([0, 2, 3, 4, 8])
 
 
+@pytest.mark.parametrize("backend,device", COMPILED)
 @FUZZ
 @given(data=st.data(), rows=ROWS, length=LENGTHS, dtype=st.sampled_from(DTYPES), bits=BITS, floor=FLOORS,
        spread=st.sampled_from([0.0, 1.0, 3.0, 8.0]), stochastic=st.booleans(), seed=SEEDS,
        layout=st.sampled_from(["contiguous", "strided"]))
-def test_allocated_quantize_and_round_trip_match_reference(data, rows, length, dtype, bits, floor, spread, stochastic,
-                                                          seed, layout):
+def test_allocated_quantize_and_round_trip_match_reference(backend, device, data, rows, length, dtype, bits, floor,
+                                                          spread, stochastic, seed, layout):
     """Blocks of magnitudes spread log-normally (``spread`` in natural log), so the rule hands out every width from
     0 to 8, plus the special values of the other tests."""
     block = data.draw(WIDTH_BLOCKS)
@@ -278,26 +279,26 @@ def test_allocated_quantize_and_round_trip_match_reference(data, rows, length, d
         g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
         magnitudes = torch.exp(spread * torch.randn(rows, K.num_blocks(length, block), generator=g))
         x = (x.float() * magnitudes.repeat_interleave(block, -1)[:, :length]).to(dtype)
-    x = _layout(x, layout)
     kwargs = dict(stochastic=stochastic, seed=seed, floor=floor)
-    ref = K.quantize_allocated(x, bits, block, backend="reference", **kwargs)
-    got = K.quantize_allocated(x, bits, block, backend="cpp", **kwargs)
+    ref = K.quantize_allocated(_layout(x, layout), bits, block, backend="reference", **kwargs)
+    got = K.quantize_allocated(_layout(x.to(device), layout), bits, block, backend=backend, **kwargs)
     assert_same(got.codes, ref.codes)
     assert_same(got.scales, ref.scales)
     back = dict(bits=bits, block_size=block, length=length, floor=floor)
-    assert_same(K.dequantize_allocated(*got, backend="cpp", **back),
+    assert_same(K.dequantize_allocated(*got, backend=backend, **back),
                 K.dequantize_allocated(*ref, backend="reference", **back))
 
 
+@pytest.mark.parametrize("backend,device", COMPILED)
 @FUZZ
 @given(data=st.data(), rows=ROWS, length=LENGTHS, bits=BITS, floor=FLOORS, code_seed=st.integers(0, 2**31 - 1))
-def test_allocated_dequantize_of_arbitrary_codes_and_scales_matches_reference(data, rows, length, bits, floor,
-                                                                             code_seed):
+def test_allocated_dequantize_of_arbitrary_codes_and_scales_matches_reference(backend, device, data, rows, length,
+                                                                             bits, floor, code_seed):
     block = data.draw(WIDTH_BLOCKS)
     codes = random_codes((rows, K.packed_length(length, bits)), code_seed)
     scales = data.draw(scales_like((rows, K.num_blocks(length, block))))
     if data.draw(st.booleans()) and scales.numel():  # scales of many magnitudes: every width appears
         scales = scales * torch.logspace(-20, 20, scales.numel()).view_as(scales)
     kwargs = dict(bits=bits, block_size=block, length=length, floor=floor)
-    assert_same(K.dequantize_allocated(codes, scales, backend="cpp", **kwargs),
+    assert_same(K.dequantize_allocated(codes.to(device), scales.to(device), backend=backend, **kwargs),
                 K.dequantize_allocated(codes, scales, backend="reference", **kwargs))

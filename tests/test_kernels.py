@@ -103,6 +103,49 @@ def test_dequant_reduce_kernels_match_reference(backend, device, in_bits, out_bi
                         K.dequant_reduce(codes, scales, backend="reference", **kw2))
 
 
+def _width_rows(length: int, block: int, seed: int) -> torch.Tensor:
+    """fp32 rows for the per-block-width format: block magnitudes spread over decades, so the rule hands out every
+    width from 0 to 8, and rows with an all-zero block, NaN, Inf, and subnormal values (blocks whose absmax is
+    subnormal, and blocks whose absmax / qmax is: both steps clamp to the smallest normal float)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-length // block)
+    magnitudes = torch.exp(2.5 * torch.randn(7, blocks, generator=g)).repeat_interleave(block, -1)[:, :length]
+    rows = torch.randn(7, length, generator=g) * magnitudes
+    rows[1, :block] = 0  # the whole row where it is shorter than a block
+    rows[2, length // 3] = float("nan")
+    rows[3, length // 2] = float("inf")
+    rows[3, length - 1] = -float("inf")
+    rows[4] *= 1e-40
+    rows[5] *= 1e-37
+    rows[6, ::3] = 0
+    return rows
+
+
+@pytest.mark.parametrize("backend,device", COMPILED)
+# multiples of the block, tails that are whole groups of 8 and tails that are not, rows shorter than a block, and
+# rows of many blocks (several per thread of the CUDA layout kernel)
+@pytest.mark.parametrize("length,block_size", [(4096, 256), (1000, 256), (517, 64), (2051, 64), (61, 256), (5, 8),
+                                               (300, 8), (20003, 8)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("floor", [0, 2, 4])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_allocated_quantize_dequantize_match_reference(backend, device, length, block_size, bits, floor,
+                                                       stochastic):
+    """The per-block-width kernels against the spec computed on CPU: codes and scales bit for bit, values with NaN
+    where the spec has NaN."""
+    x = _width_rows(length, block_size, seed=length + bits)
+    kwargs = dict(stochastic=stochastic, seed=(1 << 33) + 5, floor=floor)  # the kernels take the seed's low 32 bits
+    ref = K.quantize_allocated(x, bits, block_size, backend="reference", **kwargs)
+    got = K.quantize_allocated(x.to(device), bits, block_size, backend=backend, **kwargs)
+    assert got.codes.device.type == device
+    assert_same(got.codes, ref.codes)
+    assert_same(got.scales, ref.scales)
+    back = dict(bits=bits, block_size=block_size, length=length, floor=floor)
+    expected = K.dequantize_allocated(*ref, backend="reference", **back)
+    assert_same(K.dequantize_allocated(*got, backend=backend, **back), expected)
+    assert torch.isnan(expected[2]).any() and torch.isnan(expected[3]).any()
+
+
 def test_cpp_backend_is_active_on_cpu():
     assert K.active_backend("cpu") == "cpp", f"cpp kernels failed to build: {K._build.failure(K._build.CPU_EXTENSION)}"
 

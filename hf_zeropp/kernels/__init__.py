@@ -11,8 +11,8 @@ There is no process-wide default: components that call the kernels (qwZ, qgZ, fr
 their ``ZeroPPConfig.kernel_backend``.
 
 The per-block-width format of qgZ's inter-node hop (``gradient_bit_allocation``; :func:`quantize_allocated`,
-:func:`dequantize_allocated`, spec in :mod:`hf_zeropp.kernels.allocation`) has a compiled kernel for CPU tensors
-only; on CUDA its spec runs, in plain torch.
+:func:`dequantize_allocated`, spec in :mod:`hf_zeropp.kernels.allocation`) is dispatched the same way: compiled on
+CPU and CUDA tensors, its plain-torch spec elsewhere.
 
 Every function takes rows along the last dimension: a ``(..., L)`` input gives ``(..., L)`` (8-bit) or
 ``(..., ceil(L / 2))`` (4-bit) int8 codes and ``(..., ceil(L / block_size))`` fp32 scales.

@@ -26,7 +26,8 @@ import torch
 
 CPU_EXTENSION = "hf_zeropp_cpu_kernels"
 CUDA_EXTENSION = "hf_zeropp_cuda_kernels"
-SOURCES = {CPU_EXTENSION: ["cpu_kernels.cpp"], CUDA_EXTENSION: ["cuda_binding.cpp", "quant_kernels.cu"]}
+SOURCES = {CPU_EXTENSION: ["cpu_kernels.cpp"],
+           CUDA_EXTENSION: ["cuda_binding.cpp", "quant_kernels.cu", "allocation_kernels.cu"]}
 
 # Single roundings everywhere: contraction into FMA would make compiled results differ from the reference.
 CPU_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17"]

@@ -33,8 +33,9 @@ Format (rows along the last dimension, ``(..., L)``; blocks of ``block_size`` el
   NaN/Inf block still comes back NaN as in the fixed format.
 
 This module is the specification, in plain torch: ``torch.ops.hf_zeropp.quantize_allocated`` /
-``dequantize_allocated`` run the compiled C++ kernel on CPU tensors (``cuda/cpu_kernels.cpp``, equal to this bit for
-bit) and this code on any other device; :func:`hf_zeropp.kernels.quantize_allocated` is the validated entry point.
+``dequantize_allocated`` run the compiled kernels on CPU and CUDA tensors (``cuda/cpu_kernels.cpp``,
+``cuda/allocation_kernels.cu``, each equal to this bit for bit) and this code on any other device;
+:func:`hf_zeropp.kernels.quantize_allocated` is the validated entry point.
 """
 
 from __future__ import annotations

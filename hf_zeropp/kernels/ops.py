@@ -5,8 +5,7 @@ the tensors' device, lets ``torch.profiler`` show each call by name, and lets ``
 them with the shape-only (fake) implementations below. Kernels per dispatch key:
 
 * CPU and CUDA: the compiled C++/CUDA code (``cuda/cpu_kernels.cpp``, ``cuda/cuda_binding.cpp``), registered when
-  :mod:`hf_zeropp.kernels._build` loads the library (the per-block-width format, ``*_allocated``, has a CPU kernel
-  only);
+  :mod:`hf_zeropp.kernels._build` loads the library;
 * every other case (no compiled library for the device, e.g. the build failed): the plain-torch reference, which
   is the specification, registered as the ``CompositeExplicitAutograd`` kernel.
 
