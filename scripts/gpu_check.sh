@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Everything a GPU machine checks, in one run (~8 min on an H200, of which ~4 builds): build the CPU and CUDA kernels,
-# run every CUDA test (bit-identical to the reference on CPU), run the 4-rank ZeRO++ step on the one GPU (ranks as
-# threads, a CUDA stream each) plainly and under torch's CUDA stream sanitizer, time the kernels beside a copy and
-# beside other versions of the kernels and torchao's blockwise quantization, and profile three kernels with Nsight
-# Compute where it is installed. Results land in $OUT (default out/gpu_check): log.txt and the benchmark files.
-# docs/results/2026-11-26-gpu-h200.md and docs/results/2026-11-27-gpu-kernels-multirank.md hold one machine's results.
+# Everything a GPU machine checks, in one run (~8 min on an H200, 4.5 of them building; CUDA_OBJECTS saves most of
+# that): build the CPU and CUDA kernels, run every CUDA test (bit-identical to the reference on CPU), run the 4-rank
+# ZeRO++ step on the one GPU (ranks as threads, a CUDA stream each) plainly and under torch's CUDA stream sanitizer,
+# time the kernels beside a copy, beside other versions of the kernels and beside torchao's blockwise quantization,
+# and profile three kernels with Nsight Compute where it is installed. Results land in $OUT (default
+# out/gpu_check): log.txt, every pytest run whole, and the benchmark files. docs/results/2026-11-26-gpu-h200.md and
+# docs/results/2026-11-27-gpu-kernels-multirank.md hold one machine's results.
 #
 #   bash scripts/gpu_check.sh                 # from the repository root, with the python that holds CUDA torch
 #   PYTHON=.venv/bin/python OUT=/tmp/x bash scripts/gpu_check.sh
 #
 # Other versions of the kernels are timed side by side when named: KERNEL_VERSIONS="name=folder ..." (a folder of
 # kernel sources, e.g. an earlier commit's cuda/). A torchao wheel in TORCHAO_WHEELS (a folder) is installed for the
-# anchor.
+# anchor. CUDA_OBJECTS (a folder from `python -m scripts.cuda_objects compile`, run ahead on any machine with nvcc)
+# links the kernels compiled ahead instead of compiling them here: seconds instead of minutes of GPU time.
 # SIZES (default 1M,16M,256M) and COMPILED_ONLY=1 (skip timing the plain-torch reference) shorten the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +21,7 @@ PYTHON=${PYTHON:-python3}
 OUT=${OUT:-out/gpu_check}
 KERNEL_VERSIONS=${KERNEL_VERSIONS:-}
 TORCHAO_WHEELS=${TORCHAO_WHEELS:-}
+CUDA_OBJECTS=${CUDA_OBJECTS:-}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_ZEROPP_KERNEL_CACHE=${HF_ZEROPP_KERNEL_CACHE:-/tmp/hf_zeropp_kernels}
@@ -43,26 +46,33 @@ step "build the CPU and CUDA kernels, and every other version named (in parallel
 pids=()
 build CPU_EXTENSION & pids+=($!)  # waited for by pid: a bare `wait` would also wait for the tee above
 for version in "${versions[@]}"; do build CUDA_EXTENSION "${version#*=}" & pids+=($!); done
+if [ -n "$CUDA_OBJECTS" ]; then
+    $PYTHON -m scripts.cuda_objects link "$CUDA_OBJECTS" || { echo "linking $CUDA_OBJECTS failed"; exit 1; }
+fi
 build CUDA_EXTENSION || { echo "CUDA build failed"; exit 1; }
 for pid in "${pids[@]}"; do wait "$pid" || echo "a build failed (pid $pid); its version is not timed"; done
 
 step "CUDA tests"
-timeout 200 $PYTHON -m pytest -q -p no:cacheprovider -n 8 -k cuda \
-    tests/test_kernels.py tests/test_hadamard.py tests/test_kernel_fuzz.py 2>&1 | tail -25
+timeout 200 $PYTHON -m pytest -q -p no:cacheprovider -rfEs -n 8 -k cuda \
+    tests/test_kernels.py tests/test_hadamard.py tests/test_kernel_fuzz.py > "$OUT/tests_kernels.txt" 2>&1
+tail -25 "$OUT/tests_kernels.txt"
 
 step "4 ranks (2 nodes x 2) of ZeRO++ on the one GPU, a CUDA stream per rank, against the same ranks on CPU"
-timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_threaded_ranks.py 2>&1 | tail -25
+timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rfEs tests/test_threaded_ranks.py > "$OUT/tests_ranks.txt" 2>&1
+grep -E "passed|failed|^(FAILED|ERROR|SKIPPED)" "$OUT/tests_ranks.txt"
 
 step "kernel bandwidth"
-timeout 240 $PYTHON -m scripts.benchmarks.kernels --device cuda --sizes ${SIZES:-1M,16M,256M} --reps 5 ${COMPILED_ONLY:+--compiled-only} --out "$OUT"
+timeout 240 $PYTHON -m scripts.benchmarks.kernels --device cuda --sizes "${SIZES:-1M,16M,256M}" --reps 5 \
+    ${COMPILED_ONLY:+--compiled-only} --out "$OUT"
 for version in "${versions[@]}"; do
     HF_ZEROPP_KERNEL_SOURCES=${version#*=} timeout 120 $PYTHON -m scripts.benchmarks.kernels --device cuda \
         --sizes 16M,256M --reps 5 --compiled-only --label "${version%%=*}" --out "$OUT" | tail -14
 done
 
 step "the same 4 ranks under torch's CUDA stream sanitizer"
-TORCH_CUDA_SANITIZER=1 timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_threaded_ranks.py \
-    -k sanitizer 2>&1 | tail -25
+TORCH_CUDA_SANITIZER=1 timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rfEs tests/test_threaded_ranks.py \
+    -k sanitizer > "$OUT/tests_sanitizer.txt" 2>&1
+grep -E "passed|failed|^(FAILED|ERROR|SKIPPED)|CUDASanitizer|data race" "$OUT/tests_sanitizer.txt" | head -20
 
 step "anchor: torchao's blockwise quantization beside ours"
 if [ -n "$TORCHAO_WHEELS" ]; then

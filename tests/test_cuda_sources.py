@@ -4,12 +4,15 @@ test_kernels.py (the "cuda" backend rows)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_zeropp.kernels._build import CUDA_CFLAGS, source_dir
 
@@ -50,3 +53,21 @@ def test_cuda_binding_compiles_against_torch_headers():
                str(source_dir() / "cuda_binding.cpp")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_objects_compiled_ahead_are_refused_for_other_sources_or_without_a_gpu(tmp_path):
+    """scripts/cuda_objects.py links kernels compiled on a machine without a GPU; objects of other sources must never
+    be linked under this version's build name, and linking needs the GPU machine."""
+    from scripts.cuda_objects import MANIFEST, _digests
+
+    digests = _digests()
+    assert {"quant_kernels.cu", "allocation_kernels.cu", "quant_kernels.h"} <= set(digests)
+    stale = dict(digests, **{"quant_kernels.h": "0" * 64})
+    (tmp_path / MANIFEST).write_text(json.dumps({"arch": "90", "sources": stale}))
+    link = [sys.executable, "-m", "scripts.cuda_objects", "link", str(tmp_path)]
+    refused = subprocess.run(link, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "other versions of quant_kernels.h" in refused.stderr, refused.stderr
+    if not torch.cuda.is_available():
+        (tmp_path / MANIFEST).write_text(json.dumps({"arch": "90", "sources": digests}))
+        refused = subprocess.run(link, capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and "no CUDA device" in refused.stderr, refused.stderr
