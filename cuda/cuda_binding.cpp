@@ -80,6 +80,18 @@ void check_stacked(const at::Tensor& codes, const at::Tensor& scales, int64_t bi
   check_shape(scales, "scales", {codes.size(0), codes.size(1), num_blocks(length, block_size)});
 }
 
+// Codes (rows, packed) and scales (rows, blocks) of the 2-D `values` (rows, length), on its device.
+void check_codes_and_scales(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& values,
+                            int64_t bits, int64_t block_size) {
+  const int64_t rows = values.size(0), length = values.size(1);
+  check_layout(codes, "codes", values.device(), 2);
+  check_dtype(codes, "codes", at::kChar);
+  check_shape(codes, "codes", {rows, packed_length(length, bits)});
+  check_layout(scales, "scales", values.device(), 2);
+  check_dtype(scales, "scales", at::kFloat);
+  check_shape(scales, "scales", {rows, num_blocks(length, block_size)});
+}
+
 void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
                int64_t hadamard, const at::Tensor& codes, const at::Tensor& scales) {
   check_bits(bits, "bits");
@@ -88,12 +100,7 @@ void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stoch
   check_layout(x, "x", x.device(), 2);
   const DType dtype = float_dtype(x, "x");
   const int64_t rows = x.size(0), length = x.size(1);
-  check_layout(codes, "codes", x.device(), 2);
-  check_dtype(codes, "codes", at::kChar);
-  check_shape(codes, "codes", {rows, packed_length(length, bits)});
-  check_layout(scales, "scales", x.device(), 2);
-  check_dtype(scales, "scales", at::kFloat);
-  check_shape(scales, "scales", {rows, num_blocks(length, block_size)});
+  check_codes_and_scales(codes, scales, x, bits, block_size);
 
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(hf_zeropp::launch_quantize(x.const_data_ptr(), dtype, rows, length, static_cast<int>(bits), block_size,
@@ -214,13 +221,7 @@ void check_allocated(int64_t bits, int64_t block_size, int64_t floor, const at::
   TORCH_CHECK(floor == 0 || (floor >= 2 && floor <= 8), "floor=", floor, " must be 0 or a width from 2 to 8");
   check_layout(values, values_name, values.device(), 2);
   check_dtype(values, values_name, at::kFloat);
-  const int64_t rows = values.size(0), length = values.size(1);
-  check_layout(codes, "codes", values.device(), 2);
-  check_dtype(codes, "codes", at::kChar);
-  check_shape(codes, "codes", {rows, packed_length(length, bits)});
-  check_layout(scales, "scales", values.device(), 2);
-  check_dtype(scales, "scales", at::kFloat);
-  check_shape(scales, "scales", {rows, num_blocks(length, block_size)});
+  check_codes_and_scales(codes, scales, values, bits, block_size);
 }
 
 // Workspace of the width format's launchers: each block's width (int32) and first code byte (int64).
