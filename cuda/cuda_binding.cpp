@@ -117,12 +117,7 @@ void dequantize_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits
   check_layout(out, "out", out.device(), 2);
   const DType dtype = float_dtype(out, "out");
   const int64_t rows = out.size(0), length = out.size(1);
-  check_layout(codes, "codes", out.device(), 2);
-  check_dtype(codes, "codes", at::kChar);
-  check_shape(codes, "codes", {rows, packed_length(length, bits)});
-  check_layout(scales, "scales", out.device(), 2);
-  check_dtype(scales, "scales", at::kFloat);
-  check_shape(scales, "scales", {rows, num_blocks(length, block_size)});
+  check_codes_and_scales(codes, scales, out, bits, block_size);
 
   const c10::cuda::CUDAGuard guard(out.device());
   check_launch(hf_zeropp::launch_dequantize(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), rows,
