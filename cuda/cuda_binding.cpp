@@ -80,16 +80,16 @@ void check_stacked(const at::Tensor& codes, const at::Tensor& scales, int64_t bi
   check_shape(scales, "scales", {codes.size(0), codes.size(1), num_blocks(length, block_size)});
 }
 
-// Codes (rows, packed) and scales (rows, blocks) of the 2-D `values` (rows, length), on its device.
-void check_codes_and_scales(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& values,
-                            int64_t bits, int64_t block_size) {
-  const int64_t rows = values.size(0), length = values.size(1);
-  check_layout(codes, "codes", values.device(), 2);
-  check_dtype(codes, "codes", at::kChar);
-  check_shape(codes, "codes", {rows, packed_length(length, bits)});
-  check_layout(scales, "scales", values.device(), 2);
-  check_dtype(scales, "scales", at::kFloat);
-  check_shape(scales, "scales", {rows, num_blocks(length, block_size)});
+// Codes (rows, packed) and scales (rows, blocks) of rows of `length` values, on `device`.
+void check_codes_and_scales(const at::Tensor& codes, const at::Tensor& scales, const at::Device& device, int64_t rows,
+                            int64_t length, int64_t bits, int64_t block_size, const char* codes_name = "codes",
+                            const char* scales_name = "scales") {
+  check_layout(codes, codes_name, device, 2);
+  check_dtype(codes, codes_name, at::kChar);
+  check_shape(codes, codes_name, {rows, packed_length(length, bits)});
+  check_layout(scales, scales_name, device, 2);
+  check_dtype(scales, scales_name, at::kFloat);
+  check_shape(scales, scales_name, {rows, num_blocks(length, block_size)});
 }
 
 void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
@@ -100,7 +100,7 @@ void quantize_(const at::Tensor& x, int64_t bits, int64_t block_size, bool stoch
   check_layout(x, "x", x.device(), 2);
   const DType dtype = float_dtype(x, "x");
   const int64_t rows = x.size(0), length = x.size(1);
-  check_codes_and_scales(codes, scales, x, bits, block_size);
+  check_codes_and_scales(codes, scales, x.device(), rows, length, bits, block_size);
 
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(hf_zeropp::launch_quantize(x.const_data_ptr(), dtype, rows, length, static_cast<int>(bits), block_size,
@@ -117,7 +117,7 @@ void dequantize_(const at::Tensor& codes, const at::Tensor& scales, int64_t bits
   check_layout(out, "out", out.device(), 2);
   const DType dtype = float_dtype(out, "out");
   const int64_t rows = out.size(0), length = out.size(1);
-  check_codes_and_scales(codes, scales, out, bits, block_size);
+  check_codes_and_scales(codes, scales, out.device(), rows, length, bits, block_size);
 
   const c10::cuda::CUDAGuard guard(out.device());
   check_launch(hf_zeropp::launch_dequantize(codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), rows,
@@ -143,12 +143,7 @@ void swizzle_quantize_(const at::Tensor& x, int64_t nodes, int64_t node_size, in
               "x has ", x.numel(), " elements, not divisible by nodes * node_size * stages = ", nodes, " * ",
               node_size, " * ", stages);
   const int64_t length = x.numel() / slices;
-  check_layout(codes, "codes", x.device(), 2);
-  check_dtype(codes, "codes", at::kChar);
-  check_shape(codes, "codes", {slices, packed_length(length, bits)});
-  check_layout(scales, "scales", x.device(), 2);
-  check_dtype(scales, "scales", at::kFloat);
-  check_shape(scales, "scales", {slices, num_blocks(length, block_size)});
+  check_codes_and_scales(codes, scales, x.device(), slices, length, bits, block_size);
 
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(hf_zeropp::launch_swizzle_quantize(x.const_data_ptr(), dtype, nodes, node_size, stages, length,
@@ -168,12 +163,8 @@ void dequant_reduce_quant_(const at::Tensor& codes, const at::Tensor& scales, in
   TORCH_CHECK(length >= 0, "length=", length, " must be non-negative");
   check_stacked(codes, scales, in_bits, block_size, length);
   const int64_t k = codes.size(0), rows = codes.size(1);
-  check_layout(out_codes, "out_codes", codes.device(), 2);
-  check_dtype(out_codes, "out_codes", at::kChar);
-  check_shape(out_codes, "out_codes", {rows, packed_length(length, out_bits)});
-  check_layout(out_scales, "out_scales", codes.device(), 2);
-  check_dtype(out_scales, "out_scales", at::kFloat);
-  check_shape(out_scales, "out_scales", {rows, num_blocks(length, block_size)});
+  check_codes_and_scales(out_codes, out_scales, codes.device(), rows, length, out_bits, block_size, "out_codes",
+                         "out_scales");
 
   const c10::cuda::CUDAGuard guard(codes.device());
   check_launch(hf_zeropp::launch_dequant_reduce_quant(
@@ -216,7 +207,7 @@ void check_allocated(int64_t bits, int64_t block_size, int64_t floor, const at::
   TORCH_CHECK(floor == 0 || (floor >= 2 && floor <= 8), "floor=", floor, " must be 0 or a width from 2 to 8");
   check_layout(values, values_name, values.device(), 2);
   check_dtype(values, values_name, at::kFloat);
-  check_codes_and_scales(codes, scales, values, bits, block_size);
+  check_codes_and_scales(codes, scales, values.device(), values.size(0), values.size(1), bits, block_size);
 }
 
 // Workspace of the width format's launchers: each block's width (int32) and first code byte (int64).
