@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), build the kernels once, run the whole test suite, then the minimum-versions lane
 # (scripts/test_min_versions.sh: the declared lowest torch/transformers/accelerate/peft/trl). `.ci/run` calls this.
+# pytest lists the 15 slowest tests at the end, to keep the suite's time (about 20 minutes on 2 cores) in view.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m hf_zeropp.kernels build >/tmp/hf_zeropp_kernel_build.log 2>&1 || {
   cat /tmp/hf_zeropp_kernel_build.log; echo "kernel build failed (see above)"; }
 .venv/bin/python -m hf_zeropp.kernels check
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=15 "$@"
 bash scripts/test_min_versions.sh
