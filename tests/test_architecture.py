@@ -17,7 +17,7 @@ LAYERS = [
     {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
      "deepspeed_config", "field_types", "presets", "_compat", "hf_checkpoint", "failure_report", "testing",
      "testing.corpus", "testing.spawn", "testing.tiny_models", "testing.payloads", "testing.emulated_network",
-     "testing.emulated_cluster"},
+     "testing.emulated_cluster", "testing.threaded_ranks"},
     {"config"},
     {"topology"},
     {"comm_meter", "hpz", "qgz_payload"},
