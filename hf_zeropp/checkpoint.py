@@ -167,6 +167,8 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         if zeropp is not None:
             meta["zeropp_config"] = zeropp.config.to_dict()
             meta["qgz_calls"] = [state["calls"] for state in qgz_states]
+            if zeropp.cross_node_all_reduce is not None:
+                meta["cross_node_all_reduce"] = zeropp.cross_node_all_reduce.state_dict()
         (partial / META_FILE).write_text(json.dumps(meta, indent=2))
     _commit(partial, directory)
     return directory
@@ -196,6 +198,9 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         _set_rng_state(rank_state)
     residuals = rank_state.get("qgz_residuals")
     _restore_qgz_states(model, meta.get("qgz_calls"), residuals)
+    all_reduce = getattr(getattr(model, "_zeropp", None), "cross_node_all_reduce", None)
+    if all_reduce is not None and "cross_node_all_reduce" in meta:
+        all_reduce.load_state_dict(meta["cross_node_all_reduce"])
     return meta
 
 

@@ -167,6 +167,14 @@ class QuantizedCrossNodeAllReduce:
                 update = mean[start:start + grad.numel()].view_as(grad)
                 grad.copy_(update if before is None else before + update.to(before.dtype))
 
+    def state_dict(self) -> dict[str, int]:
+        """The call count the stochastic-rounding seeds derive from (equal on every rank): a checkpoint carries it so
+        a resumed run draws the rounding the uninterrupted run would have."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = int(state["calls"])
+
     def describe(self) -> str:
         return (f"hybrid cross-node all-reduce: int{self.bits} block {self.block_size} reduce-scatter + all-gather "
                 f"among {self.topology.nodes} nodes, asynchronous"
@@ -175,9 +183,10 @@ class QuantizedCrossNodeAllReduce:
 
 
 def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, topology: Topology,
-                              meter: CommMeter) -> None:
+                              meter: CommMeter) -> QuantizedCrossNodeAllReduce | None:
     """Give FSDP's cross-node all-reduce of every unit to the meter (full precision: FSDP2's HSDP all-reduce) or
-    to :class:`QuantizedCrossNodeAllReduce`, which also sets the divide factor so each value is averaged once."""
+    to :class:`QuantizedCrossNodeAllReduce`, which also sets the divide factor so each value is averaged once;
+    returns the latter, if installed."""
     if config.hybrid_gradient_bits is None or topology.nodes == 1:
         group = topology.inter_node_group
 
@@ -187,11 +196,12 @@ def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, to
 
         for module in modules:
             module.set_all_reduce_hook(metered)
-        return
+        return None
     all_reduce = QuantizedCrossNodeAllReduce(config, topology, meter)
     for module in modules:
         module.set_all_reduce_hook(all_reduce.hook_for(module))
         module.set_gradient_divide_factor(float(topology.world_size))
+    return all_reduce
 
 
 def check_hybrid_fits(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device) -> None:

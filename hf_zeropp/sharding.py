@@ -276,7 +276,8 @@ def _install_comms(model: nn.Module, state: ZeroPPState) -> None:
         state.all_gathers.append(all_gather)
         state.reduce_scatters.append(reduce_scatter)
     if state.config.shard_group == "node" and state.topology.nodes > 1:
-        install_hybrid_all_reduce(fsdp_modules(model), state.config, state.topology, state.meter)
+        state.cross_node_all_reduce = install_hybrid_all_reduce(fsdp_modules(model), state.config, state.topology,
+                                                                state.meter)
 
 
 def _allreduce_meter(meter: CommMeter, topology: Topology):

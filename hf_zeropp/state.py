@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -24,6 +25,7 @@ class ZeroPPState:
     units: list[nn.Module]
     all_gathers: list = field(default_factory=list)
     reduce_scatters: list = field(default_factory=list)
+    cross_node_all_reduce: Any = None  # hybrid-q's quantized all-reduce (hybrid.QuantizedCrossNodeAllReduce)
     hpz_enabled: bool = False
     inference_depth: int = 0  # open gathered_for_inference blocks
 

@@ -313,3 +313,26 @@ def test_hybrid_q_takes_the_gradient_accuracy_options_and_keeps_replicas_equal()
     described = {name: results[0][name]["implementations"]["hybrid_reduce_scatter"][0] for name in ACCURACY_VARIANTS}
     assert described["int8"].startswith("hybrid cross-node all-reduce: int8 block 256")
     assert described["hadamard + stochastic rounding"].endswith(", Hadamard 64, stochastic rounding")
+
+
+def _stochastic_resume(checkpoint_dir: str):
+    """hybrid-q with stochastic rounding: the step after a resume draws the same rounding as without the stop."""
+    from hf_zeropp import load_checkpoint, save_checkpoint, shard_model
+    from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
+
+    config = ZeroPPConfig.preset("hybrid-q", node_size=2, stochastic_rounding=True)
+    model = shard_model(tiny_gpt2(seed=0), config)
+    optimizer = make_optimizer(model)
+    train(model, optimizer, range(2), size=_batch())
+    save_checkpoint(checkpoint_dir, model, optimizer, step=2)
+    train(model, optimizer, range(2, 3), size=_batch())
+    resumed = shard_model(tiny_gpt2(seed=1), config)
+    resumed_optimizer = make_optimizer(resumed)
+    load_checkpoint(checkpoint_dir, resumed, resumed_optimizer)
+    train(resumed, resumed_optimizer, range(2, 3), size=_batch())
+    return [(p.to_local().clone(), q.to_local().clone()) for p, q in zip(model.parameters(), resumed.parameters())]
+
+
+def test_hybrid_q_with_stochastic_rounding_resumes_with_the_same_rounding(tmp_path):
+    for rank, pairs in enumerate(run_distributed(_stochastic_resume, 4, str(tmp_path / "ckpt"), node_size=2)):
+        assert all(torch.equal(uninterrupted, resumed) for uninterrupted, resumed in pairs), f"rank {rank}"
