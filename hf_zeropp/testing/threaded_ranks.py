@@ -14,9 +14,10 @@ gloo processes (tests/test_threaded_ranks.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ def run_threaded(fn: Callable[..., Any], world_size: int, *args: Any, own_stream
         def rank_main(rank: int) -> None:
             try:
                 dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
-                with _stream_of_its_own(own_streams), (sanitizer if sanitizer is not None else _nothing()):
+                with _stream_of_its_own(own_streams), sanitizer if sanitizer is not None else contextlib.nullcontext():
                     results[rank] = fn(*args)
             except BaseException as error:  # noqa: BLE001 -- reported below, with the rank's traceback
                 failures[rank] = traceback.format_exc()
@@ -62,24 +63,15 @@ def run_threaded(fn: Callable[..., Any], world_size: int, *args: Any, own_stream
     return results
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _stream_of_its_own:
-    """A fresh CUDA stream made current for the block (nothing without ``enabled``)."""
-
-    def __init__(self, enabled: bool):
-        self.context = torch.cuda.stream(torch.cuda.Stream()) if enabled else _nothing()
-
-    def __enter__(self) -> None:
-        self.context.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if torch.cuda.is_initialized():
-            torch.cuda.current_stream().synchronize()  # a rank's results are complete when it returns
-        self.context.__exit__(*exc)
+@contextlib.contextmanager
+def _stream_of_its_own(enabled: bool) -> Iterator[None]:
+    """A fresh CUDA stream made current for the block (nothing without ``enabled``); the rank's work on it is
+    complete when the block ends, so its results can be read from any thread."""
+    if not enabled:
+        yield
+        return
+    with torch.cuda.stream(torch.cuda.Stream()):
+        try:
+            yield
+        finally:
+            torch.cuda.current_stream().synchronize()
