@@ -17,6 +17,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -32,8 +33,14 @@ from ._compat import (
 from .topology import Topology
 
 
-@functools.lru_cache(maxsize=None)
 def _mesh_info(topology: Topology) -> Any:
+    """FSDP2's description of the topology's hpZ mesh, one per world group as the mesh itself (equal topologies
+    of two worlds, as after a restart of the process group or in ranks that are threads, get their own)."""
+    return _mesh_info_of_world(dist.group.WORLD, topology)
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_info_of_world(world: dist.ProcessGroup, topology: Topology) -> Any:
     return hsdp_mesh_info(topology.hpz_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
