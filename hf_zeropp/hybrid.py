@@ -80,20 +80,14 @@ class QuantizedCrossNodeAllReduce:
     # ---------------------------------------------------------------- the hook
 
     def _start(self, module: nn.Module, reduce_output: torch.Tensor) -> None:
-        topo = self.topology
-        partial = reduce_output.detach().to(torch.float32, copy=True)
-        spans = parameter_spans(module, True, partial.numel(), topo.node_size)
-        chunk = -(-partial.numel() // (topo.nodes * self.block_size)) * self.block_size
-        rows = partial.new_zeros(topo.nodes, chunk)
-        rows.view(-1)[:partial.numel()] = partial
-        unit = _Unit(partial, spans or [], [], rows)
-        self._send_chunks(unit)
+        spans = parameter_spans(module, True, reduce_output.numel(), self.topology.node_size)
         if spans is None or not in_backward():
             # FSDP's layout is not the one expected (or no backward to wait for): finish now, in place
             self.meter.note("hybrid_synchronous", "a unit whose gradient layout was not the expected one")
-            self._receive_chunks(unit)
-            reduce_output.copy_(self._result(unit))
+            reduce_output.copy_(self.reduce(reduce_output))
             return
+        unit = self._unit(reduce_output, spans)
+        self._send_chunks(unit)
         unit.accumulated = [None if p.grad is None else local_tensor(p.grad).clone() for p, _, _ in spans]
         if self.pending and self.pending[-1].hop2 is None:
             # the unit before this one had its backward's worth of compute to arrive; every rank advances the same
@@ -103,6 +97,23 @@ class QuantizedCrossNodeAllReduce:
         if not self.finish_queued:
             queue_backward_callback(self.finish)
             self.finish_queued = True
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This node's partial sum to the sum over all nodes (fp32, the same bits on every replica), both hops
+        waited for: the path of a unit that cannot wait for the backward's end, and what an instrument measuring
+        this all-reduce on gradients of its own calls (a collective of the inter-node group)."""
+        unit = self._unit(partial, [])
+        self._send_chunks(unit)
+        self._receive_chunks(unit)
+        return self._result(unit)
+
+    def _unit(self, reduce_output: torch.Tensor, spans: list[tuple[nn.Parameter, int, int]]) -> _Unit:
+        topo = self.topology
+        partial = reduce_output.detach().to(torch.float32, copy=True)
+        chunk = -(-partial.numel() // (topo.nodes * self.block_size)) * self.block_size
+        rows = partial.new_zeros(topo.nodes, chunk)
+        rows.view(-1)[:partial.numel()] = partial
+        return _Unit(partial, spans, [], rows)
 
     # ---------------------------------------------------------------- the two hops
 
