@@ -156,7 +156,9 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         rng_dir.mkdir(exist_ok=True)
     _barrier()
     qgz_states = _qgz_states(model)
-    torch.save({**_rng_state(), "qgz_residuals": [state["error_feedback"] for state in qgz_states]},
+    all_reduce = _cross_node_all_reduce(model)
+    torch.save({**_rng_state(), "qgz_residuals": [state["error_feedback"] for state in qgz_states],
+                "cross_node_residuals": None if all_reduce is None else all_reduce.residuals_state_dict()},
                rng_dir / f"rank{_rank()}.pt")
     if _rank() == 0:
         if scheduler is not None:
@@ -167,8 +169,8 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         if zeropp is not None:
             meta["zeropp_config"] = zeropp.config.to_dict()
             meta["qgz_calls"] = [state["calls"] for state in qgz_states]
-            if zeropp.cross_node_all_reduce is not None:
-                meta["cross_node_all_reduce"] = zeropp.cross_node_all_reduce.state_dict()
+            if all_reduce is not None:
+                meta["cross_node_all_reduce"] = all_reduce.state_dict()
         (partial / META_FILE).write_text(json.dumps(meta, indent=2))
     _commit(partial, directory)
     return directory
@@ -198,10 +200,17 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         _set_rng_state(rank_state)
     residuals = rank_state.get("qgz_residuals")
     _restore_qgz_states(model, meta.get("qgz_calls"), residuals)
-    all_reduce = getattr(getattr(model, "_zeropp", None), "cross_node_all_reduce", None)
+    all_reduce = _cross_node_all_reduce(model)
     if all_reduce is not None and "cross_node_all_reduce" in meta:
         all_reduce.load_state_dict(meta["cross_node_all_reduce"])
+    if all_reduce is not None and rank_state.get("cross_node_residuals") is not None:
+        all_reduce.load_residuals_state_dict(rank_state["cross_node_residuals"])
     return meta
+
+
+def _cross_node_all_reduce(model: nn.Module):
+    """Hybrid-q's quantized cross-node all-reduce of the model (None for other configurations)."""
+    return getattr(getattr(model, "_zeropp", None), "cross_node_all_reduce", None)
 
 
 def _reduce_scatters(model: nn.Module) -> list:

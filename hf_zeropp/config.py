@@ -139,7 +139,8 @@ class ZeroPPConfig:
     seed: int = _option(0, EXPERIMENTAL, "seed of stochastic rounding")
     gradient_error_feedback: bool = _option(
         False, EXPERIMENTAL,
-        "qgZ: error feedback on the inter-node requantization (8-bit residual, `numel / node_size` bytes per rank)")
+        "error feedback on the quantization that crosses nodes: qgZ's inter-node requantization, or both hops of "
+        "hybrid-q's all-reduce (8-bit residual, about `numel / node_size` bytes per rank)")
     gradient_error_feedback_decay: float = _option(
         0.0, EXPERIMENTAL,
         "LoCo-style error feedback: the residual is a moving average, decay x the previous residual + (1 - decay) x "
@@ -223,12 +224,16 @@ class ZeroPPConfig:
             raise ValueError(f"shard_group='node' (hybrid sharding) with {', '.join(zero_pp) or 'stage=0'}: no weights "
                              f"cross nodes under hybrid sharding, and gradients cross them in its all-reduce (quantize "
                              f"it with hybrid_gradient_bits); turn it off, or use shard_group: world (ZeRO++)")
-        two_hop_only = [name for name in ("gradient_error_feedback", "gradient_bit_allocation") if getattr(self, name)]
-        if self.shard_group == "node" and two_hop_only:
-            raise ValueError(f"shard_group='node' (hybrid sharding) with {', '.join(two_hop_only)}: it acts on qgZ's "
-                             f"two-hop all-to-all, which hybrid sharding does not run; its quantized all-reduce "
-                             f"(hybrid_gradient_bits) takes gradient_hadamard and stochastic_rounding. Turn it off, or "
-                             f"use shard_group: world with quantized_gradients (ZeRO++)")
+        if self.shard_group == "node" and self.gradient_bit_allocation:
+            raise ValueError("shard_group='node' (hybrid sharding) with gradient_bit_allocation: it acts on qgZ's "
+                             "two-hop all-to-all, which hybrid sharding does not run; its quantized all-reduce "
+                             "(hybrid_gradient_bits) takes gradient_hadamard, stochastic_rounding and "
+                             "gradient_error_feedback. Turn it off, or use shard_group: world with quantized_gradients "
+                             "(ZeRO++)")
+        if self.shard_group == "node" and self.gradient_error_feedback and self.hybrid_gradient_bits is None:
+            raise ValueError("shard_group='node' with gradient_error_feedback but no hybrid_gradient_bits: error "
+                             "feedback compensates the quantization of the cross-node all-reduce, which runs in full "
+                             "precision here; set hybrid_gradient_bits: 4 (preset hybrid-q) or turn it off")
 
     def _check_gradient_hadamard(self) -> None:
         size = self.gradient_hadamard

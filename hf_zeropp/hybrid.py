@@ -17,11 +17,16 @@ backward runs while the bytes travel; the next unit's hook starts hop 2 of the o
 rank: collectives on one group must keep one order). Once the backward
 has finished (an autograd final callback, before clipping and the optimizer step) every unit is completed and its
 gradients are set to the cross-node mean, each value divided by the world size once.
+
+With ``gradient_error_feedback`` each hop's quantization error is carried into the same hop of the unit's next
+reduction (:class:`~hf_zeropp.qgz_payload.ErrorFeedback`): hop 1's residual is this rank's node partial sum's (the
+chunk it keeps is exact and carries none), hop 2's is the owner's requantized sum's. Every replica still dequantizes
+the same bytes. The residuals are per rank, so checkpoints keep them in the rank's own file.
 """
 
 from __future__ import annotations
 
-import warnings
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +38,7 @@ from ._compat import in_backward, local_tensor, queue_backward_callback
 from .comm_meter import CommMeter, nbytes
 from .config import ZeroPPConfig
 from .layout import parameter_spans
+from .qgz_payload import ErrorFeedback
 from .topology import Topology
 
 # bytes of fp32 master weights, gradients and Adam's two moments per parameter: what a rank holds per parameter it
@@ -48,6 +54,7 @@ class _Unit:
     spans: list[tuple[nn.Parameter, int, int]]
     accumulated: list[torch.Tensor | None]  # the gradients the parameters held before this backward (accumulation)
     rows: torch.Tensor  # partial, zero-padded, one row per node
+    feedback: ErrorFeedback | None  # the unit's residuals (gradient_error_feedback)
     hop1: dist.Work | None = None
     arrived: torch.Tensor | None = None
     hop2: dist.Work | None = None
@@ -67,26 +74,34 @@ class QuantizedCrossNodeAllReduce:
         self.topology = topology
         self.meter = meter
         self.group = topology.inter_node_group
+        self.new_feedback = (functools.partial(ErrorFeedback, self.block_size, self.backend,
+                                               config.gradient_error_feedback_decay,
+                                               config.gradient_error_feedback_reset)
+                             if config.gradient_error_feedback else None)
+        self.unit_feedback: dict[int, ErrorFeedback] = {}  # per unit (hook_for's order), with error feedback
+        self.units = 0
         self.calls = 0
         self.pending: list[_Unit] = []
         self.finish_queued = False
 
     def hook_for(self, module: nn.Module):
+        index, self.units = self.units, self.units + 1
+
         def hook(reduce_output: torch.Tensor) -> None:
-            self._start(module, reduce_output)
+            self._start(module, index, reduce_output)
 
         return hook
 
     # ---------------------------------------------------------------- the hook
 
-    def _start(self, module: nn.Module, reduce_output: torch.Tensor) -> None:
+    def _start(self, module: nn.Module, index: int, reduce_output: torch.Tensor) -> None:
         spans = parameter_spans(module, True, reduce_output.numel(), self.topology.node_size)
         if spans is None or not in_backward():
             # FSDP's layout is not the one expected (or no backward to wait for): finish now, in place
             self.meter.note("hybrid_synchronous", "a unit whose gradient layout was not the expected one")
-            reduce_output.copy_(self.reduce(reduce_output))
+            reduce_output.copy_(self.reduce(reduce_output, index))
             return
-        unit = self._unit(reduce_output, spans)
+        unit = self._unit(reduce_output, index, spans)
         self._send_chunks(unit)
         unit.accumulated = [None if p.grad is None else local_tensor(p.grad).clone() for p, _, _ in spans]
         if self.pending and self.pending[-1].hop2 is None:
@@ -98,22 +113,34 @@ class QuantizedCrossNodeAllReduce:
             queue_backward_callback(self.finish)
             self.finish_queued = True
 
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """This node's partial sum to the sum over all nodes (fp32, the same bits on every replica), both hops
-        waited for: the path of a unit that cannot wait for the backward's end, and what an instrument measuring
-        this all-reduce on gradients of its own calls (a collective of the inter-node group)."""
-        unit = self._unit(partial, [])
-        self._send_chunks(unit)
-        self._receive_chunks(unit)
-        return self._result(unit)
+    def reduce(self, partial: torch.Tensor, unit: int = 0) -> torch.Tensor:
+        """This node's partial sum of the gradient of unit ``unit`` (whose error-feedback residuals apply) to the
+        sum over all nodes (fp32, the same bits on every replica), both hops waited for: the path of a unit that
+        cannot wait for the backward's end, and what an instrument measuring this all-reduce on gradients of its
+        own calls (a collective of the inter-node group)."""
+        reduction = self._unit(partial, unit, [])
+        self._send_chunks(reduction)
+        self._receive_chunks(reduction)
+        return self._result(reduction)
 
-    def _unit(self, reduce_output: torch.Tensor, spans: list[tuple[nn.Parameter, int, int]]) -> _Unit:
+    def reset_feedback(self) -> None:
+        """Drop every residual (they belong to gradients that are no longer being reduced)."""
+        for feedback in self.unit_feedback.values():
+            feedback.reset()
+
+    def _unit(self, reduce_output: torch.Tensor, index: int, spans: list[tuple[nn.Parameter, int, int]]) -> _Unit:
         topo = self.topology
         partial = reduce_output.detach().to(torch.float32, copy=True)
         chunk = -(-partial.numel() // (topo.nodes * self.block_size)) * self.block_size
         rows = partial.new_zeros(topo.nodes, chunk)
         rows.view(-1)[:partial.numel()] = partial
-        return _Unit(partial, spans, [], rows)
+        feedback = None
+        if self.new_feedback is not None:
+            feedback = self.unit_feedback.get(index)
+            if feedback is None:
+                feedback = self.unit_feedback[index] = self.new_feedback()
+            feedback.start_reduction()
+        return _Unit(partial, spans, [], rows, feedback)
 
     # ---------------------------------------------------------------- the two hops
 
@@ -125,6 +152,16 @@ class QuantizedCrossNodeAllReduce:
                                          hadamard=self.hadamard, backend=self.backend)
         return torch.cat((codes.view(torch.int8), scales.view(torch.int8)), dim=1)
 
+    def _quantize_compensated(self, unit: _Unit, hop: int, rows: torch.Tensor,
+                              exact_row: int | None = None) -> torch.Tensor:
+        """:meth:`_quantize`, through the unit's error feedback when it has one (``rows`` then get the hop's
+        residual added, in place)."""
+        if unit.feedback is None:
+            return self._quantize(rows)
+        length = rows.shape[1]
+        return unit.feedback.requantize(hop, rows, self._quantize, lambda packed: self._dequantize(packed, length),
+                                        exact_row)
+
     def _dequantize(self, packed: torch.Tensor, length: int) -> torch.Tensor:
         code_bytes = kernels.packed_length(length, self.bits)
         codes = packed[:, :code_bytes].contiguous()
@@ -134,7 +171,7 @@ class QuantizedCrossNodeAllReduce:
 
     def _send_chunks(self, unit: _Unit) -> None:
         """Hop 1: chunk ``m`` of this node's partial sum, quantized, to the rank of my local index on node ``m``."""
-        packed = self._quantize(unit.rows)
+        packed = self._quantize_compensated(unit, 0, unit.rows, exact_row=self.topology.node)
         if self.meter.track_errors:
             self.meter.record_error("hybrid_reduce_scatter", unit.rows, self._dequantize(packed, unit.rows.shape[1]))
         unit.arrived = torch.empty_like(packed)
@@ -148,7 +185,7 @@ class QuantizedCrossNodeAllReduce:
         restored = self._dequantize(unit.arrived, length)
         restored[node] = unit.rows[node]
         total = restored.sum(dim=0, keepdim=True)
-        packed = self._quantize(total)
+        packed = self._quantize_compensated(unit, 1, total)
         if self.meter.track_errors:
             self.meter.record_error("hybrid_all_gather", total, self._dequantize(packed, length))
         unit.gathered = packed.new_empty(self.topology.nodes, packed.shape[1])
@@ -186,11 +223,24 @@ class QuantizedCrossNodeAllReduce:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.calls = int(state["calls"])
 
+    def residuals_state_dict(self) -> dict[int, dict]:
+        """This rank's error-feedback residuals per unit (they differ between ranks, unlike :meth:`state_dict`)."""
+        return {index: feedback.state_dict() for index, feedback in self.unit_feedback.items()}
+
+    def load_residuals_state_dict(self, state: dict[int, dict]) -> None:
+        if self.new_feedback is None:
+            return
+        self.unit_feedback = {}
+        for index, saved in state.items():
+            self.unit_feedback[index] = self.new_feedback()
+            self.unit_feedback[index].load_state_dict(saved)
+
     def describe(self) -> str:
         return (f"hybrid cross-node all-reduce: int{self.bits} block {self.block_size} reduce-scatter + all-gather "
                 f"among {self.topology.nodes} nodes, asynchronous"
                 + (f", Hadamard {self.hadamard}" if self.hadamard else "")
-                + (", stochastic rounding" if self.stochastic else ""))
+                + (", stochastic rounding" if self.stochastic else "")
+                + (f", {self.new_feedback().describe()} on both hops" if self.new_feedback is not None else ""))
 
 
 def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, topology: Topology,
@@ -216,13 +266,9 @@ def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, to
 
 
 def check_hybrid_fits(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device) -> None:
-    """Before any collective: hybrid sharding on one node is ZeRO-3 (say so); its states (fp32 weights, gradients,
-    Adam moments) divided by the ranks of a node must fit the memory free for one rank."""
-    if config.shard_group != "node":
-        return
-    if topology.nodes == 1:
-        warnings.warn(f"shard_group='node' on a single node ({topology.node_size} ranks) is ZeRO-3 there: nothing "
-                      f"is replicated; use preset zero3 (or hybrid on several nodes)", stacklevel=3)
+    """Before any collective: hybrid sharding's states (fp32 weights, gradients, Adam moments) divided by the ranks
+    of a node must fit the memory free for one rank. (On one node it is ZeRO-3: :mod:`hf_zeropp.reports` says so.)"""
+    if config.shard_group != "node" or topology.nodes == 1:
         return
     fits, needed, free = hybrid_fits(model, topology, device)
     if not fits:

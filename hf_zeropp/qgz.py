@@ -63,7 +63,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         self.backend = backend
         self.payload = payload or BlockQuantizedPayload(block_size, stochastic, hadamard, backend, allocate_bits,
                                                         width_floor)
-        self.feedback = (ErrorFeedback(self.payload, error_feedback_decay, error_feedback_reset)
+        self.feedback = (ErrorFeedback(block_size, backend, error_feedback_decay, error_feedback_reset)
                          if error_feedback else None)
         self.vector_slices = vector_slices
         # unquantized payloads have no error to spare
@@ -177,21 +177,30 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         topo = self.topology
         if topo.node_size == 1:
             return got[0], got_scales[0], None if own_rows is None else own_rows[stage]
+        if self.feedback is not None and stage == 0:
+            self.feedback.start_reduction()
         if own_rows is None:
             if self.feedback is None:
                 return (*self.payload.reduce_requantize(got, got_scales, first_bits, self.inter_bits, slice_len,
                                                         seed), None)
             rotated = self.payload.sum_peers(got, got_scales, first_bits, slice_len, rotate_back=False)
-            return (*self.feedback.requantize(stage, rotated, self.inter_bits, slice_len, seed), None)
+            return (*self._compensated(stage, rotated, slice_len, seed), None)
         partial_sums = self.payload.sum_peers(got, got_scales, first_bits, slice_len, skip=topo.local_rank)
         partial_sums += own_rows[stage]
         if self.feedback is not None:
             # the residual lives in the rotated domain; requantize adds it in place
             rotated = hadamard_rows(partial_sums, self.hadamard) if self.hadamard else partial_sums.clone()
-            sent = self.feedback.requantize(stage, rotated, self.inter_bits, slice_len, seed, exact_row=topo.node)
+            sent = self._compensated(stage, rotated, slice_len, seed, exact_row=topo.node)
         else:
             sent = self.payload.requantize(partial_sums, self.inter_bits, seed)
         return *sent, partial_sums
+
+    def _compensated(self, stage: int, rotated: torch.Tensor, slice_len: int, seed: int,
+                     exact_row: int | None = None) -> kernels.Quantized:
+        """The inter-node hop's quantization of rotated partial sums through the error feedback."""
+        bits = self.inter_bits
+        return self.feedback.requantize(stage, rotated, lambda rows: self.payload.quantize_inter(rows, bits, seed),
+                                        lambda sent: self.payload.dequantize_inter(*sent, bits, slice_len), exact_row)
 
     def _own_rows(self, chunks: torch.Tensor, slice_len: int) -> torch.Tensor:
         """The rows this rank addresses to itself at the first hop, unrotated, as a strided view of ``chunks``:
@@ -256,7 +265,7 @@ class QuantizedReduceScatter(_PlainAlloc, ReduceScatter):
         return (f"qgZ {hops} all-to-all {precision}, {self.stages} stage(s), {topo.nodes}x{topo.node_size}"
                 + (f", Hadamard {self.hadamard}" if self.hadamard else "")
                 + (self.payload.describe(device) if isinstance(self.payload, BlockQuantizedPayload) else "")
-                + (self.feedback.describe() if self.feedback is not None else "")
+                + (f", inter-node {self.feedback.describe()}" if self.feedback is not None else "")
                 + (", 1-D parameters in full precision" if self.vector_slices is not None else "")
                 + (", own contributions in fp32" if self.full_precision_local else "")
                 + (", stochastic rounding" if self.stochastic else "")

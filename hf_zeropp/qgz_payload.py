@@ -1,9 +1,11 @@
 """qgZ's rows: how the reduce-scatter's chunks are quantized, summed in fp32 and requantized between the two hops
 (:class:`BlockQuantizedPayload`, fused kernels with the fixed or the per-block width format), and the error feedback
-on the inter-node requantization (:class:`ErrorFeedback`). :mod:`hf_zeropp.qgz` moves these rows between ranks."""
+on a requantization (:class:`ErrorFeedback`, which hybrid sharding's all-reduce uses too). :mod:`hf_zeropp.qgz` moves
+these rows between ranks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -129,72 +131,73 @@ class BlockQuantizedPayload:
 
 
 class ErrorFeedback:
-    """Error feedback for qgZ's inter-node requantization: plain (EF-SGD) or LoCo-style.
+    """Error feedback for a requantization between hops: plain (EF-SGD) or LoCo-style.
 
-    What the ``gradient_bits`` requantization of this rank's node partial sums drops in one step is added to the
-    same partial sums before they are requantized in the next, so rounding errors cancel over steps instead of
-    accumulating in the weights. With ``decay`` > 0 the residual carried forward is a moving average of the dropped
-    errors (``decay`` x the previous residual + (1 - decay) x this step's), which damps the step-to-step noise the
-    compensation adds (the first residual after a reset is the dropped error itself); ``reset_every`` drops it every
-    so many reductions, so that a residual never outlives the gradients it came from by much (LoCo: averaged,
-    compressed, reset). Only this hop: its partial sums are already
-    1/node_size of the unit's gradient on each rank, whereas compensating hop 1 would need a residual as large as the
-    whole unsharded gradient. The residual is kept block-quantized to 8 bits, one per pipeline stage:
-    ``numel / node_size`` bytes (plus one fp32 scale per block) per rank for a unit of ``numel`` parameters, for as
-    long as qgZ is on.
+    What the requantization of a rank's partial sums drops in one reduction is added to the same partial sums before
+    they are requantized in the next, so rounding errors cancel over steps instead of accumulating in the weights.
+    With ``decay`` > 0 the residual carried forward is a moving average of the dropped errors (``decay`` x the
+    previous residual + (1 - decay) x this step's), which damps the step-to-step noise the compensation adds (the
+    first residual after a reset is the dropped error itself); ``reset_every`` drops it every so many reductions, so
+    that a residual never outlives the gradients it came from by much (LoCo: averaged, compressed, reset).
+
+    qgZ compensates its inter-node hop only: its partial sums are already 1/node_size of the unit's gradient on each
+    rank, whereas compensating hop 1 would need a residual as large as the whole unsharded gradient. Hybrid
+    sharding's all-reduce compensates both of its hops, which carry 1/node_size and 1/world_size of the unit. A
+    residual is kept block-quantized to 8 bits, one per key (a pipeline stage, a hop), for as long as the technique
+    is on. One instance serves one FSDP unit, whose reductions it counts.
     """
 
-    def __init__(self, payload: BlockQuantizedPayload, decay: float = 0.0, reset_every: int = 0) -> None:
-        self.payload = payload
-        self.block_size = payload.block_size
-        self.backend = payload.backend
+    def __init__(self, block_size: int, backend: kernels.Backend | None = None, decay: float = 0.0,
+                 reset_every: int = 0) -> None:
+        self.block_size = block_size
+        self.backend = backend
         self.decay = decay
         self.reset_every = reset_every
-        self.residuals: dict[int, kernels.Quantized] = {}
-        self.reductions = 0  # of stage 0, i.e. of the unit's gradient (for reset_every)
+        self.residuals: dict[Any, kernels.Quantized] = {}
+        self.reductions = 0  # of the unit's gradient (for reset_every)
 
-    def requantize(self, stage: int, partial_sums: torch.Tensor, out_bits: int, length: int, seed: int,
-                   exact_row: int | None = None) -> kernels.Quantized:
-        """Quantize the stage's fp32 partial sums (rotated rows stay rotated) for the inter-node hop with its
-        residual added first, and keep the new residual. Row ``exact_row`` (this rank's own node's, with
-        ``gradient_full_precision_local``) reaches its owner exactly, so it drops nothing and carries no residual;
-        the row is modified in place like the others."""
-        backend = self.backend
-        if stage == 0:
-            if self.reset_every and self.reductions and self.reductions % self.reset_every == 0:
-                self.residuals.clear()
-            self.reductions += 1
-        residual = self.residuals.get(stage)
+    def start_reduction(self) -> None:
+        """A new reduction of the unit's gradient begins: count it, and drop the residuals every ``reset_every``."""
+        if self.reset_every and self.reductions and self.reductions % self.reset_every == 0:
+            self.residuals.clear()
+        self.reductions += 1
+
+    def requantize(self, key: Any, partial_sums: torch.Tensor, quantize: Callable[[torch.Tensor], Any],
+                   dequantize: Callable[[Any], torch.Tensor], exact_row: int | None = None) -> Any:
+        """``quantize`` the fp32 rows ``partial_sums`` with the residual of ``key`` added first (in place), and keep
+        the new residual: what ``dequantize`` of the result misses. Row ``exact_row`` reaches its destination exactly
+        (it never leaves the rank), so it drops nothing and carries no residual."""
+        residual = self.residuals.get(key)
         previous = None
         if residual is not None and residual.codes.shape == partial_sums.shape:
-            previous = kernels.dequantize(*residual, bits=8, block_size=self.block_size, length=length,
-                                          backend=backend)
+            previous = kernels.dequantize(*residual, bits=8, block_size=self.block_size,
+                                          length=partial_sums.shape[-1], backend=self.backend)
             partial_sums += previous
-        sent = self.payload.quantize_inter(partial_sums, out_bits, seed)
-        dropped = partial_sums - self.payload.dequantize_inter(*sent, out_bits, length)
+        sent = quantize(partial_sums)
+        dropped = partial_sums - dequantize(sent)
         if exact_row is not None:
             dropped[exact_row] = 0
         if self.decay and previous is not None:
             dropped = previous.mul_(self.decay).add_(dropped, alpha=1.0 - self.decay)
-        self.residuals[stage] = kernels.quantize(dropped, 8, self.block_size, backend=backend)
+        self.residuals[key] = kernels.quantize(dropped, 8, self.block_size, backend=self.backend)
         return sent
 
     def reset(self) -> None:
         self.residuals.clear()
 
     def describe(self) -> str:
-        return (", inter-node error feedback (8-bit residual"
+        return ("error feedback (8-bit residual"
                 + (f", averaged with decay {self.decay}" if self.decay else "")
                 + (f", reset every {self.reset_every} reductions" if self.reset_every else "") + ")")
 
     def state_dict(self) -> dict[Any, Any]:
-        """The residual of every pipeline stage as (codes, scales), rank-local like the partial sums, and the
-        reduction count the resets follow."""
-        return {"residuals": {stage: tuple(residual) for stage, residual in self.residuals.items()},
+        """The residual of every key as (codes, scales), rank-local like the partial sums, and the reduction count
+        the resets follow."""
+        return {"residuals": {key: tuple(residual) for key, residual in self.residuals.items()},
                 "reductions": self.reductions}
 
     def load_state_dict(self, state: dict[Any, Any]) -> None:
-        self.residuals = {int(stage): kernels.Quantized(*residual) for stage, residual in state["residuals"].items()}
+        self.residuals = {key: kernels.Quantized(*residual) for key, residual in state["residuals"].items()}
         self.reductions = int(state["reductions"])
 
 

@@ -36,6 +36,11 @@ def _report_techniques_that_cannot_apply(state: ZeroPPState) -> None:
     elif config.quantized_gradients and config.gradient_error_feedback and topology.node_size == 1:
         reasons["gradient_error_feedback"] = ("it compensates the requantization between qgZ's two hops, and with one "
                                               "rank per node there is a single hop")
+    if config.shard_group == "node" and topology.nodes == 1:
+        quantized = " (and nothing crosses nodes for hybrid_gradient_bits to quantize)" if config.hybrid_gradient_bits \
+            else ""
+        reasons["shard_group"] = (f"hybrid sharding replicates across nodes, and {where}: it runs as ZeRO-3 (preset "
+                                  f"zero3){quantized}")
     for technique, reason in reasons.items():
         state.meter.conditions[technique] = f"not applied: {reason}"
         if topology.rank == 0:

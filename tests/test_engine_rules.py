@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hf_zeropp.config import ZeroPPConfig
 from hf_zeropp.node_size import node_size_from_environment
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import VOCAB, full_parameters, local_batch, make_optimizer, tiny_gpt2, train
@@ -223,6 +224,14 @@ def test_a_technique_that_cannot_apply_is_reported_off_with_the_reason():
         assert "all 4 ranks are on one node" in implementations["hpz"][0]
         assert not any("qwZ" in line for line in implementations["fwd_allgather"])
         assert len(result["warnings"]) == (2 if rank == 0 else 0), result["warnings"]
+    hybrid = ZeroPPConfig.preset("hybrid-q", gradient_error_feedback=True)
+    for rank, result in enumerate(run_distributed(_launch_without_launcher_variables, 4, ["a"] * 4, hybrid)):
+        assert result["stats"]["implementations"]["shard_group"] == [
+            "not applied: hybrid sharding replicates across nodes, and all 4 ranks are on one node (node size 4 from "
+            "host names (1 host(s))): it runs as ZeRO-3 (preset zero3) (and nothing crosses nodes for "
+            "hybrid_gradient_bits to quantize)"]
+        assert len(result["warnings"]) == (1 if rank == 0 else 0), result["warnings"]
+        assert "hybrid_reduce_scatter" not in result["stats"]
 
 
 def _tiny_openai_gpt():

@@ -202,9 +202,13 @@ def test_bad_hybrid_configurations_are_refused_before_any_collective():
             ZeroPPConfig.preset("hybrid", **options)
     with pytest.raises(ValueError, match="shard_group='world'; set shard_group: node"):
         ZeroPPConfig(hybrid_gradient_bits=4)
-    for option in ("gradient_error_feedback", "gradient_bit_allocation"):
-        with pytest.raises(ValueError, match=f"hybrid sharding\\) with {option}: it acts on qgZ's two-hop all-to-all"):
-            ZeroPPConfig.preset("hybrid-q", **{option: True})
+    with pytest.raises(ValueError, match="hybrid sharding\\) with gradient_bit_allocation: it acts on qgZ's two-hop "
+                                         "all-to-all"):
+        ZeroPPConfig.preset("hybrid-q", gradient_bit_allocation=True)
+    with pytest.raises(ValueError, match="gradient_error_feedback but no hybrid_gradient_bits: .* runs in full "
+                                         "precision here; set hybrid_gradient_bits: 4"):
+        ZeroPPConfig.preset("hybrid", gradient_error_feedback=True)
+    assert ZeroPPConfig.preset("hybrid-q", gradient_error_feedback=True).gradient_error_feedback
     for options, named in (({"quantized_weights": True}, "quantized_weights"), ({"stage": 2}, "stage=2"),
                            ({"hybrid_gradient_bits": 4}, "hybrid_gradient_bits")):
         with pytest.raises(ValueError, match=f"chooses stage 3 and the techniques itself, but {named} is set"):
@@ -229,8 +233,6 @@ def test_hybrid_refuses_a_model_whose_states_do_not_fit_a_node(monkeypatch):
         hybrid.check_hybrid_fits(model, config, topology, torch.device("cpu"))
     monkeypatch.setattr(hybrid, "_free_bytes_per_rank", lambda device, ranks: 1e12)
     hybrid.check_hybrid_fits(model, config, topology, torch.device("cpu"))
-    with pytest.warns(UserWarning, match="on a single node .* is ZeRO-3 there"):
-        hybrid.check_hybrid_fits(model, config, Topology.from_config(config, 2), torch.device("cpu"))
 
 
 
@@ -315,12 +317,75 @@ def test_hybrid_q_takes_the_gradient_accuracy_options_and_keeps_replicas_equal()
     assert described["hadamard + stochastic rounding"].endswith(", Hadamard 64, stochastic rounding")
 
 
-def _stochastic_resume(checkpoint_dir: str):
-    """hybrid-q with stochastic rounding: the step after a resume draws the same rounding as without the stop."""
+FEEDBACK_VARIANTS = {"off": {}, "plain": {"gradient_error_feedback": True},
+                     "loco": {"gradient_error_feedback": True, "gradient_error_feedback_decay": 0.5},
+                     "reset every reduction": {"gradient_error_feedback": True, "gradient_error_feedback_reset": 1}}
+FEEDBACK_LENGTH, FEEDBACK_BLOCK = 1001, 64  # a node partial sum that no block size divides
+
+
+def _feedback_worker(steps: int):
+    """The same node partial sum all-reduced ``steps`` times under each error-feedback variant."""
+    from hf_zeropp.comm_meter import CommMeter
+    from hf_zeropp.hybrid import QuantizedCrossNodeAllReduce
+    from hf_zeropp.topology import get_topology
+
+    topology = get_topology(ZeroPPConfig(node_size=2), "cpu")
+    torch.manual_seed(7 + dist.get_rank())
+    partial = torch.distributions.StudentT(3.0).sample((FEEDBACK_LENGTH,))  # heavy-tailed, as gradients are
+    exact = partial.clone()
+    dist.all_reduce(exact, group=topology.inter_node_group)
+    results = {}
+    for name, options in FEEDBACK_VARIANTS.items():
+        config = ZeroPPConfig.preset("hybrid-q", node_size=2, block_size=FEEDBACK_BLOCK, **options)
+        all_reduce = QuantizedCrossNodeAllReduce(config, topology, CommMeter(topology))
+        total = torch.zeros(FEEDBACK_LENGTH)
+        for _ in range(steps):
+            got = all_reduce.reduce(partial.clone())
+            total += got
+        residuals = all_reduce.residuals_state_dict()
+        results[name] = {"step": float((got - exact).norm()), "mean": float((total / steps - exact).norm()),
+                         "exact": float(exact.norm()), "last": got,
+                         "residual_codes": {hop: codes.shape for state in residuals.values()
+                                            for hop, (codes, _) in state["residuals"].items()},
+                         "reductions": [state["reductions"] for state in residuals.values()],
+                         "described": all_reduce.describe()}
+    return results
+
+
+def test_hybrid_q_error_feedback_cancels_both_hops_rounding_over_steps():
+    """The same gradient every step, rounded to nearest: without feedback every step repeats the same error, so the
+    mean over steps is as wrong as one step; with feedback on both hops the errors cancel over steps; LoCo's
+    averaged residual cancels them too, more slowly; a residual reset before every reduction is no feedback at all.
+    Replicas get the same sum bit for bit in every variant. The residuals are hop 1's rows (one per node, the kept
+    one carrying none) and hop 2's chunk, at 8 bits."""
+    steps = 8
+    results = run_distributed(_feedback_worker, 4, steps, node_size=2)
+    print(f"rank 0, relative error of one step / of the mean over {steps} steps: " + ", ".join(
+        f"{name} {row['step'] / row['exact']:.4f} / {row['mean'] / row['exact']:.4f}"
+        for name, row in results[0].items()))
+    for rank, errors in enumerate(results):
+        off = errors["off"]
+        assert off["step"] > 0.05 * off["exact"], "INT4 blocks of 64 must lose something"
+        assert off["mean"] == pytest.approx(off["step"], rel=1e-6)
+        assert errors["plain"]["mean"] < 0.15 * off["mean"], (rank, errors["plain"], off)
+        assert errors["loco"]["mean"] < 0.5 * off["mean"], (rank, errors["loco"], off)
+        assert torch.equal(errors["reset every reduction"]["last"], off["last"])
+        chunk = -(-FEEDBACK_LENGTH // (2 * FEEDBACK_BLOCK)) * FEEDBACK_BLOCK
+        assert errors["plain"]["residual_codes"] == {0: (2, chunk), 1: (1, chunk)}
+        assert errors["loco"]["reductions"] == [steps]
+        assert errors["plain"]["described"].endswith(", error feedback (8-bit residual) on both hops")
+        for name in FEEDBACK_VARIANTS:
+            assert torch.equal(errors[name]["last"], results[rank ^ 2][name]["last"]), (name, rank)
+
+
+def _resume(checkpoint_dir: str, options: dict):
+    """hybrid-q: the step after a resume equals the step without the stop (stochastic rounding draws the same
+    rounding; error feedback adds the same residuals)."""
     from hf_zeropp import load_checkpoint, save_checkpoint, shard_model
+    from hf_zeropp.state import zeropp_state
     from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
 
-    config = ZeroPPConfig.preset("hybrid-q", node_size=2, stochastic_rounding=True)
+    config = ZeroPPConfig.preset("hybrid-q", node_size=2, **options)
     model = shard_model(tiny_gpt2(seed=0), config)
     optimizer = make_optimizer(model)
     train(model, optimizer, range(2), size=_batch())
@@ -330,9 +395,21 @@ def _stochastic_resume(checkpoint_dir: str):
     resumed_optimizer = make_optimizer(resumed)
     load_checkpoint(checkpoint_dir, resumed, resumed_optimizer)
     train(resumed, resumed_optimizer, range(2, 3), size=_batch())
-    return [(p.to_local().clone(), q.to_local().clone()) for p, q in zip(model.parameters(), resumed.parameters())]
+    all_reduce = zeropp_state(model).cross_node_all_reduce
+    return {"pairs": [(p.to_local().clone(), q.to_local().clone())
+                      for p, q in zip(model.parameters(), resumed.parameters())],
+            "residual_units": len(all_reduce.residuals_state_dict()),
+            "described": zeropp_state(model).meter.stats()["implementations"]["hybrid_reduce_scatter"]}
 
 
-def test_hybrid_q_with_stochastic_rounding_resumes_with_the_same_rounding(tmp_path):
-    for rank, pairs in enumerate(run_distributed(_stochastic_resume, 4, str(tmp_path / "ckpt"), node_size=2)):
-        assert all(torch.equal(uninterrupted, resumed) for uninterrupted, resumed in pairs), f"rank {rank}"
+@pytest.mark.parametrize("options", [{"stochastic_rounding": True}, {"gradient_error_feedback": True}],
+                         ids=["stochastic rounding", "error feedback"])
+def test_hybrid_q_resumes_with_the_same_rounding_and_residuals(tmp_path, options):
+    results = run_distributed(_resume, 4, str(tmp_path / "ckpt"), options, node_size=2)
+    for rank, result in enumerate(results):
+        assert all(torch.equal(uninterrupted, resumed) for uninterrupted, resumed in result["pairs"]), f"rank {rank}"
+        replica = results[rank ^ 2]["pairs"]
+        assert all(torch.equal(mine[0], theirs[0]) for mine, theirs in zip(result["pairs"], replica)), rank
+    if "gradient_error_feedback" in options:
+        assert results[0]["residual_units"] == 3  # the tiny GPT-2's two blocks and its root
+        assert results[0]["described"][0].endswith("error feedback (8-bit residual) on both hops")
