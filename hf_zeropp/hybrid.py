@@ -38,7 +38,7 @@ from ._compat import in_backward, local_tensor, queue_backward_callback
 from .comm_meter import CommMeter, nbytes
 from .config import ZeroPPConfig
 from .layout import parameter_spans
-from .qgz_payload import ErrorFeedback
+from .qgz_payload import BlockQuantizedPayload, ErrorFeedback
 from .topology import Topology
 
 # bytes of fp32 master weights, gradients and Adam's two moments per parameter: what a rank holds per parameter it
@@ -50,10 +50,10 @@ STATE_BYTES_PER_PARAMETER = 16
 class _Unit:
     """One FSDP unit's cross-node all-reduce in flight."""
 
-    partial: torch.Tensor  # this node's sum, fp32, as the hook received it
+    numel: int  # of this node's partial sum, as the hook received it
     spans: list[tuple[nn.Parameter, int, int]]
     accumulated: list[torch.Tensor | None]  # the gradients the parameters held before this backward (accumulation)
-    rows: torch.Tensor  # partial, zero-padded, one row per node
+    rows: torch.Tensor  # the partial sum in fp32, zero-padded, one row per node
     feedback: ErrorFeedback | None  # the unit's residuals (gradient_error_feedback)
     hop1: dist.Work | None = None
     arrived: torch.Tensor | None = None
@@ -71,6 +71,8 @@ class QuantizedCrossNodeAllReduce:
         self.stochastic = config.stochastic_rounding
         self.seed = config.seed
         self.backend = config.kernel_backend
+        # sums the dequantized chunks that arrive at hop 1 (qgZ's fused dequantize-and-add)
+        self.peers = BlockQuantizedPayload(self.block_size, self.stochastic, self.hadamard, self.backend)
         self.topology = topology
         self.meter = meter
         self.group = topology.inter_node_group
@@ -129,18 +131,17 @@ class QuantizedCrossNodeAllReduce:
             feedback.reset()
 
     def _unit(self, reduce_output: torch.Tensor, index: int, spans: list[tuple[nn.Parameter, int, int]]) -> _Unit:
-        topo = self.topology
-        partial = reduce_output.detach().to(torch.float32, copy=True)
-        chunk = -(-partial.numel() // (topo.nodes * self.block_size)) * self.block_size
-        rows = partial.new_zeros(topo.nodes, chunk)
-        rows.view(-1)[:partial.numel()] = partial
+        topo, numel = self.topology, reduce_output.numel()
+        chunk = -(-numel // (topo.nodes * self.block_size)) * self.block_size
+        rows = reduce_output.new_zeros(topo.nodes, chunk, dtype=torch.float32)
+        rows.view(-1)[:numel] = reduce_output.detach()
         feedback = None
         if self.new_feedback is not None:
             feedback = self.unit_feedback.get(index)
             if feedback is None:
                 feedback = self.unit_feedback[index] = self.new_feedback()
             feedback.start_reduction()
-        return _Unit(partial, spans, [], rows, feedback)
+        return _Unit(numel, spans, [], rows, feedback)
 
     # ---------------------------------------------------------------- the two hops
 
@@ -162,12 +163,14 @@ class QuantizedCrossNodeAllReduce:
         return unit.feedback.requantize(hop, rows, self._quantize, lambda packed: self._dequantize(packed, length),
                                         exact_row)
 
-    def _dequantize(self, packed: torch.Tensor, length: int) -> torch.Tensor:
+    def _unpack(self, packed: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Byte rows from :meth:`_quantize` back to (codes, fp32 scales), each contiguous."""
         code_bytes = kernels.packed_length(length, self.bits)
-        codes = packed[:, :code_bytes].contiguous()
-        scales = packed[:, code_bytes:].contiguous().view(torch.float32)
-        return kernels.dequantize(codes, scales, bits=self.bits, block_size=self.block_size, length=length,
-                                  hadamard=self.hadamard, backend=self.backend)
+        return packed[:, :code_bytes].contiguous(), packed[:, code_bytes:].contiguous().view(torch.float32)
+
+    def _dequantize(self, packed: torch.Tensor, length: int) -> torch.Tensor:
+        return kernels.dequantize(*self._unpack(packed, length), bits=self.bits, block_size=self.block_size,
+                                  length=length, hadamard=self.hadamard, backend=self.backend)
 
     def _send_chunks(self, unit: _Unit) -> None:
         """Hop 1: chunk ``m`` of this node's partial sum, quantized, to the rank of my local index on node ``m``."""
@@ -182,9 +185,10 @@ class QuantizedCrossNodeAllReduce:
         """Between the hops: add the nodes' chunks of my part (mine exactly), requantize, start hop 2."""
         unit.hop1.wait()
         node, length = self.topology.node, unit.rows.shape[1]
-        restored = self._dequantize(unit.arrived, length)
-        restored[node] = unit.rows[node]
-        total = restored.sum(dim=0, keepdim=True)
+        codes, scales = self._unpack(unit.arrived, length)
+        # the other nodes' chunks dequantized and added in one fused pass, then mine, which never left the rank
+        total = self.peers.sum_peers(codes[:, None], scales[:, None], self.bits, length, skip=node)
+        total += unit.rows[node]
         packed = self._quantize_compensated(unit, 1, total)
         if self.meter.track_errors:
             self.meter.record_error("hybrid_all_gather", total, self._dequantize(packed, length))
@@ -192,11 +196,15 @@ class QuantizedCrossNodeAllReduce:
         unit.hop2 = dist.all_gather_into_tensor(unit.gathered, packed, group=self.group, async_op=True)
         self.meter.record("hybrid_all_gather", self.group, nbytes(packed), self.describe())
 
-    def _result(self, unit: _Unit) -> torch.Tensor:
-        """Hop 2 arrived: the sum over all ranks, identical on every node (each dequantizes the same bytes)."""
+    def _result(self, unit: _Unit, scale: float = 1.0) -> torch.Tensor:
+        """Hop 2 arrived: ``scale`` x the sum over all ranks, identical on every node (each dequantizes the same
+        bytes with the same kernel)."""
         unit.hop2.wait()
-        summed = self._dequantize(unit.gathered, unit.rows.shape[1])
-        return summed.view(-1)[:unit.partial.numel()]
+        length = unit.rows.shape[1]
+        codes, scales = self._unpack(unit.gathered, length)
+        summed = kernels.dequant_reduce(codes[None], scales[None], bits=self.bits, block_size=self.block_size,
+                                        length=length, scale=scale, hadamard=self.hadamard, backend=self.backend)
+        return summed.view(-1)[:unit.numel]
 
     # ---------------------------------------------------------------- after backward
 
@@ -209,7 +217,7 @@ class QuantizedCrossNodeAllReduce:
                 self._receive_chunks(unit)
         world = self.topology.world_size
         for unit in pending:
-            mean = self._result(unit) / world
+            mean = self._result(unit, 1.0 / world)
             for (param, start, _), before in zip(unit.spans, unit.accumulated):
                 grad = local_tensor(param.grad)
                 update = mean[start:start + grad.numel()].view_as(grad)

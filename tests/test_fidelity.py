@@ -6,7 +6,8 @@ cosine 1), while quantized with the matrices they lose precision or cost the mat
 hop sends the same cross-node bytes yet cuts qgZ's error; error feedback's errors cancel over a window more than
 plain rounding's; INT8 weights are an order of magnitude closer than INT4 gradients; the Adam-normalized measure
 exists for every measured step and is computed with Adam's own moments; the width-rule table's quantizer is the
-per-block-width format's own."""
+per-block-width format's own; the hybrid rows are the engine's hybrid sharding, exact in fp32, and send only its
+all-reduce across nodes."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ def _rows(summary: dict, kind: str) -> dict:
     return {row["name"]: row for row in summary[kind]}
 
 
+def _qgz_rows(summary: dict) -> dict:
+    """The gradient rows of ZeRO++'s qgZ (the hybrid rows name a preset of their own)."""
+    from scripts.experiments.fidelity import GRADIENT_CANDIDATES
+
+    return {name: row for name, row in _rows(summary, "gradients").items()
+            if "preset" not in GRADIENT_CANDIDATES[name]}
+
+
 def test_gradient_fidelity_separates_the_qgz_options(fidelity):
     assert fidelity["measured_steps"] == [1, 2, 3, 4]
     rows = _rows(fidelity, "gradients")
@@ -48,7 +57,7 @@ def test_gradient_fidelity_separates_the_qgz_options(fidelity):
     # two INT4 hops with one scale per 256 values: tens of percent of relative error, still well aligned
     assert 0.05 < plain["all"]["relative_error"] < 0.6
     assert plain["all"]["cosine"] > 0.8
-    for name, row in rows.items():
+    for name, row in _qgz_rows(fidelity).items():
         if name != "1-D parameters quantized too":  # qgZ's default: 1-D slices reduce-scattered as they are
             assert row["1-D"]["relative_error"] == 0.0 and row["1-D"]["cosine"] == pytest.approx(1.0, abs=1e-12)
     assert rows["1-D parameters quantized too"]["1-D"]["relative_error"] > 0.05
@@ -103,7 +112,7 @@ def test_adam_normalized_gradient_fidelity(fidelity):
         scaled = row["adam_scaled"]
         assert 0 < scaled["all"]["relative_error"] < 1.5 and 0 < scaled["all"]["cosine"] <= 1, name
         assert row["adam_scaled_window_sum_error"] > 0, name
-        if name != "1-D parameters quantized too":
+        if name in _qgz_rows(fidelity) and name != "1-D parameters quantized too":
             assert scaled["1-D"]["relative_error"] == 0.0, name
     assert plain["adam_scaled"]["all"]["relative_error"] != pytest.approx(plain["all"]["relative_error"], rel=1e-3)
     # the surprising elements (AdamNormalizer.surprised) are few and carry more than their number's share
@@ -302,3 +311,114 @@ def test_a_driven_run_is_the_engines_own_qgz_training(tmp_path):
                                node_size=2)[0]
     assert driven["validation_loss"] == pytest.approx(engine, abs=1e-6)
     assert abs(engine - baseline) > 1e-4  # two steps of qgZ are visible in the loss: the comparison can fail
+
+
+HYBRID_FP32, HYBRID_Q, HYBRID_Q_HADAMARD, HYBRID_Q_INT8 = (
+    "hybrid (fp32 across nodes)", "hybrid-q (int4 across nodes, block 256)", "hybrid-q, Hadamard 64",
+    "hybrid-q, int8 across nodes")
+
+
+def test_hybrid_rows(fidelity):
+    """Hybrid sharding's gradient path on the baseline's gradients: in fp32 it is the exact reduce-scatter (to
+    rounding: the emulation adds no error of its own); hybrid-q's INT4 all-reduce errs by tenths, as qgZ does, on the
+    1-D parameters too (its one buffer has no full-precision slices), INT8 by over 5x less. Each sends only its
+    all-reduce across nodes: 2 (trainable / node_size) (nodes - 1) / nodes values per rank and step, of 4 bytes in
+    fp32 and of bits / 8 + 4 / 256 (a scale per block of 256) quantized, plus the blocks' padding."""
+    rows = _rows(fidelity, "gradients")
+    fp32, int4, hadamard, int8 = (rows[name] for name in (HYBRID_FP32, HYBRID_Q, HYBRID_Q_HADAMARD, HYBRID_Q_INT8))
+    for cls in ("matrices", "embeddings", "1-D", "all"):
+        assert fp32[cls]["relative_error"] < 1e-6, cls
+    assert fp32["adam_scaled"]["all"]["relative_error"] < 1e-6
+    for row in (int4, hadamard):
+        assert 0.05 < row["all"]["relative_error"] < 0.6 and row["1-D"]["relative_error"] > 0.02
+    assert int8["all"]["relative_error"] < int4["all"]["relative_error"] / 5
+    trainable = int(fidelity["model"].split(", ")[1].split()[0].replace(",", ""))
+    nodes, node_size = 2, 2
+    values = 2 * trainable / node_size * (nodes - 1) / nodes
+    assert fp32["inter_node_mb_per_step"] * 1e6 == pytest.approx(4 * values, rel=1e-3)
+    for row, bits in ((int4, 4), (hadamard, 4), (int8, 8)):
+        assert row["inter_node_mb_per_step"] * 1e6 == pytest.approx((bits / 8 + 4 / 256) * values, rel=0.01)
+
+
+def _hybrid_rows_beside_the_engine() -> list[dict]:
+    """One backward of a tiny GPT-2 sharded by the engine's hybrid-q, and one of the same model and batch sharded by
+    ZeRO-3 under fidelity's probe (the rows HYBRID_FP32 and HYBRID_Q). n_embd 34: dim 0 of the matrices and
+    vectors splits unevenly over the world's 4 ranks, evenly over a node's 2, so the two layouts pad differently.
+    Per unit: the largest difference between the node layout built from the probe's input and the buffer the
+    engine's FSDP reduce-scatters; the relative difference between the probe's hybrid-q result and the engine's
+    gradient (times the world size: the engine's gradient is the mean, the probe's the sum), and both rows'
+    relative error against the exact reduce-scatter."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_zeropp import ZeroPPConfig, shard_model
+    from hf_zeropp._compat import ReduceScatter
+    from hf_zeropp.layout import parameter_spans
+    from hf_zeropp.state import fsdp_modules, zeropp_state
+    from hf_zeropp.testing.tiny_models import local_batch, make_optimizer, relative_error, tiny_gpt2
+    from scripts.experiments import fidelity
+
+    class KeepInput(ReduceScatter):
+        """A unit's reduce-scatter, keeping a copy of its input (each rank's unreduced gradients)."""
+
+        def __init__(self, reduce_scatter) -> None:
+            self.reduce_scatter, self.input = reduce_scatter, None
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.input = input_tensor.clone()
+            return self.reduce_scatter(output_tensor, input_tensor, group, op, async_op=async_op)
+
+    def backward(model, reduce_scatters: list) -> list[KeepInput]:
+        kept = [KeepInput(reduce_scatter) for reduce_scatter in reduce_scatters]
+        for unit, keep in zip(fsdp_modules(model), kept):
+            unit.set_custom_reduce_scatter(keep)
+        ids = local_batch(0, size=8)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return kept
+
+    engine = shard_model(tiny_gpt2(seed=0, n_embd=34), ZeroPPConfig.preset("hybrid-q", node_size=2))
+    engine_inputs = backward(engine, zeropp_state(engine).reduce_scatters)
+    world = shard_model(tiny_gpt2(seed=0, n_embd=34), ZeroPPConfig.preset("zero3", node_size=2))
+    probe = fidelity.install(world, {name: fidelity.GRADIENT_CANDIDATES[name] for name in (HYBRID_FP32, HYBRID_Q)})
+    probe.optimizer, probe.active = make_optimizer(world), True
+    world_inputs = backward(world, probe.reduce_scatters)
+    measured = {m.unit: m for m in probe.pending}
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    units = []
+    for index, (engine_unit, world_unit) in enumerate(zip(fsdp_modules(engine), fsdp_modules(world))):
+        world_input = world_inputs[index].input.view(world_size, -1)
+        shapes = fidelity.unit_shapes(world_unit, world_input.shape[1], world_size)
+        node_layout = fidelity.relayout(world_input, shapes, 2)
+        engine_input = engine_inputs[index].input.view(2, -1)
+        spans = parameter_spans(engine_unit, True, engine_input.shape[1], 2)
+        engine_sum = torch.cat([p.grad.full_tensor().reshape(1, -1) for p, _, _ in spans], dim=1) * world_size
+        engine_shard = fidelity.relayout(engine_sum, shapes, world_size)[rank].double()
+        exact, (fp32, quantized) = measured[index].exact, measured[index].results
+        units.append({"shapes": [tuple(shape) for shape in shapes],
+                      "layout_difference": (node_layout - engine_input).abs().max().item(),
+                      "engine_input_norm": engine_input.norm().item(),
+                      "hybrid_q_against_engine": relative_error(quantized, engine_shard),
+                      "hybrid_q_error": relative_error(quantized, exact),
+                      "fp32_error": relative_error(fp32, exact)})
+    return units
+
+
+def test_hybrid_rows_are_the_engines_hybrid_q():
+    """The hybrid rows lay a world-sharded unit's gradients out as the engine's hybrid sharding does: the node layout
+    built from the probe's input is the buffer the engine's FSDP reduce-scatters inside the node (so hybrid-q's
+    blocks fall where the engine's do), and the probe's hybrid-q result is the engine's hybrid-q gradient to fp32
+    rounding while both are INT4-far from the exact one; the full-precision row is the exact reduce-scatter."""
+    from hf_zeropp.testing.spawn import run_distributed
+
+    results = run_distributed(_hybrid_rows_beside_the_engine, 4, node_size=2)
+    assert any(shape[0] % 4 for unit in results[0] for shape in unit["shapes"])  # the layouts differ in padding
+    for units in results:
+        assert len(units) == 3  # the root (tied embeddings, final norm) and two blocks
+        for unit in units:
+            assert unit["engine_input_norm"] > 0 and unit["layout_difference"] < 1e-6 * unit["engine_input_norm"]
+            assert unit["hybrid_q_against_engine"] < 1e-6
+            assert 0.02 < unit["hybrid_q_error"] < 0.6
+            assert unit["fp32_error"] < 1e-6

@@ -1,4 +1,4 @@
-"""Gradient and weight fidelity of the qgZ and qwZ options along a real training trajectory.
+"""Gradient and weight fidelity of the qgZ, hybrid-q and qwZ options along a real training trajectory.
 
     python -m scripts.experiments.fidelity [--topologies 2x2,2x4] [--steps 100,300,550] [--window 8]
                                            [--out out/fidelity] [--candidate NAME ...] [--drive NAME]
@@ -46,6 +46,15 @@ averages with Adam's beta2 of the energy it delivered and of the exact energy (w
 the exact run's would), the share of steps it delivered an exact 0 where the gradient was not 0, and the share of its
 Adam-normalized error that lies on the elements it had given less than half their exact energy.
 
+The hybrid rows measure hybrid sharding's gradient path on the same gradients: preset hybrid-q reduce-scatters each
+unit exactly inside the node and averages the node partial sums across nodes with a block-quantized (INT4 by
+default) reduce-scatter and all-gather, and preset hybrid does that all-reduce in fp32 (FSDP2's HSDP). Its FSDP2
+shards a unit over one node's ranks, so the blocks fall on that layout of the unit's buffer: HybridReduceScatter
+lays each rank's unreduced gradients out so, runs the engine's own cross-node all-reduce, and cuts this rank's world
+shard from the result. tests/test_fidelity.py checks the layout and the result against the engine's hybrid-q. Their
+cross-node bytes are the all-reduce's alone (no weight crosses nodes under hybrid sharding); the fp32 row equals the
+exact reduce-scatter to fp32 rounding, a check of the emulation.
+
 ``--candidate`` measures only the named gradient rows (after ZeRO++'s own), which makes long windows affordable.
 ``--drive`` trains on one candidate's results instead of the exact ones, so every candidate is measured along that
 candidate's own trajectory rather than the baseline's, and normalized by that run's Adam state (qgZ only: forward
@@ -68,14 +77,17 @@ from torch import nn
 
 import hf_zeropp
 from hf_zeropp._compat import AllGather, ReduceScatter
-from hf_zeropp.comm_meter import CommMeter, allgather_kind
-from hf_zeropp.config import PRESETS, ZeroPPConfig
+from hf_zeropp.comm_meter import (CommMeter, MeteredReduceScatter, all_gather_single, allgather_kind, check_sum,
+                                  nbytes)
+from hf_zeropp.config import ZeroPPConfig
+from hf_zeropp.hybrid import QuantizedCrossNodeAllReduce
 from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 from hf_zeropp.kernels.reference import hadamard_rows, num_blocks
 from hf_zeropp.layout import parameter_spans
 from hf_zeropp.qgz import make_reduce_scatter
 from hf_zeropp.qwz import make_all_gather
 from hf_zeropp.state import fsdp_modules, zeropp_state
+from hf_zeropp.topology import Topology
 from hf_zeropp.testing.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +95,8 @@ from scripts.train_gpt import build_datasets, build_model, load_recipe
 
 CLASSES = ("matrices", "embeddings", "1-D", "all")
 
-# name -> ZeroPPConfig overrides of the zeropp preset; the first row is the reference the others are compared to
+# name -> ZeroPPConfig overrides of the zeropp preset, or of the preset a "preset" key names (the hybrid rows: see
+# HybridReduceScatter); the first row is the reference the others are compared to
 GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
     "ZeRO++ qgZ (int4/int4, block 256)": {},
     "1-D parameters quantized too": {"gradient_full_precision_1d": False},
@@ -117,6 +130,10 @@ GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
     "Hadamard 64 + 8-bit intra + bit allocation + LoCo (decay 0.5)": {
         "gradient_hadamard": 64, "gradient_intra_bits": 8, "gradient_bit_allocation": True,
         "gradient_error_feedback": True, "gradient_error_feedback_decay": 0.5},
+    "hybrid (fp32 across nodes)": {"preset": "hybrid"},
+    "hybrid-q (int4 across nodes, block 256)": {"preset": "hybrid-q"},
+    "hybrid-q, Hadamard 64": {"preset": "hybrid-q", "gradient_hadamard": 64},
+    "hybrid-q, int8 across nodes": {"preset": "hybrid-q", "hybrid_gradient_bits": 8},
 }
 # ways of choosing the inter-node hop's per-block widths, compared on one quantization of the exact shard
 WIDTH_RULES = ("fixed 4 bits (ZeRO++)", "absmax: least L2 error (gradient_bit_allocation)",
@@ -139,7 +156,7 @@ WEIGHT_CANDIDATES: dict[str, dict[str, Any]] = {
 
 
 def candidate_config(overrides: dict[str, Any]) -> ZeroPPConfig:
-    return ZeroPPConfig(**{**PRESETS["zeropp"], **overrides})
+    return ZeroPPConfig.from_dict({"preset": "zeropp", **overrides})
 
 
 class Sums:
@@ -317,6 +334,9 @@ class Probe:
         self.weight_sums = Sums(len(WEIGHT_CANDIDATES))
         topology = zeropp_state(model).topology
         self.gradient_meters = [CommMeter(topology) for _ in candidates]
+        # per gradient candidate, shared by the units as the engine's is: its cross-node all-reduce (hybrid rows)
+        self.cross_node = [cross_node_all_reduce(candidate_config(overrides), topology, meter)
+                           for overrides, meter in zip(candidates.values(), self.gradient_meters)]
         self.weight_meters = [CommMeter(topology) for _ in WEIGHT_CANDIDATES]
         # per gradient candidate and unit: running sums of (q - x) and x over the window, plain and Adam-normalized
         self.window: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -408,8 +428,10 @@ class GradientProbe(ReduceScatter):
 
     def __init__(self, probe: Probe, unit: nn.Module, index: int, exact: Any, topology) -> None:
         self.probe, self.unit, self.index, self.exact = probe, unit, index, exact
-        self.candidates = [make_reduce_scatter(candidate_config(overrides), topology, meter, unit)
-                           for overrides, meter in zip(probe.candidates.values(), probe.gradient_meters)]
+        self.candidates = [make_reduce_scatter(candidate_config(overrides), topology, meter, unit) if cross_node is None
+                           else HybridReduceScatter(cross_node, topology, meter, unit, index)
+                           for overrides, meter, cross_node in zip(probe.candidates.values(), probe.gradient_meters,
+                                                                   probe.cross_node)]
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.exact.allocate(size, dtype=dtype, device=device)
@@ -450,6 +472,103 @@ class GradientProbe(ReduceScatter):
                                                    history_key, adam_moments(self.probe.optimizer, spans, numel),
                                                    delivered))
         return work
+
+
+def relayout(rows: torch.Tensor, shapes: list[torch.Size], parts: int) -> torch.Tensor:
+    """A unit's flat buffer as FSDP2 lays it out over ``rows.shape[0]`` ranks, to the same buffer as FSDP2 lays it
+    out over ``parts`` ranks: ``(parts, numel per rank)``. Row ``r`` is the concatenation, over the parameters of
+    ``shapes`` (the unit's order), of each one's ``r``-th dim-0 chunk with torch.chunk's sizes (``ceil(dim 0 /
+    parts)`` rows), zero-padded to that size; an emptied chunk is all padding."""
+    offset, parts_of = 0, []
+    for shape in shapes:
+        numel, row_numel = shape.numel(), shape[1:].numel()
+        width = -(-shape[0] // rows.shape[0]) * row_numel
+        padded = rows.new_zeros(parts, -(-shape[0] // parts) * row_numel)
+        padded.view(-1)[:numel] = rows[:, offset:offset + width].reshape(-1)[:numel]
+        parts_of.append(padded)
+        offset += width
+    if offset != rows.shape[1]:
+        raise ValueError(f"parameters of {offset} elements per rank laid out on a buffer of {rows.shape[1]}")
+    return torch.cat(parts_of, dim=1)
+
+
+def unit_shapes(unit: nn.Module, rank_numel: int, group_size: int) -> list[torch.Size]:
+    """The full shapes of the unit's trainable parameters, in the order of its reduce-scatter buffer, checked against
+    FSDP2's layout of ``rank_numel`` elements per rank over ``group_size`` ranks: dim 0 chunked (``relayout``)."""
+    spans = parameter_spans(unit, True, rank_numel, group_size)
+    if spans is None:
+        raise RuntimeError(f"{type(unit).__name__}: the reduce-scatter's buffer ({rank_numel} elements per rank) does "
+                           f"not match its FSDP parameters; the hybrid rows cannot lay it out")
+    shapes = [param.shape for param, _, _ in spans]  # a DTensor's shape is the full parameter's
+    for shape, (_, _, length) in zip(shapes, spans):
+        if length != -(-shape[0] // group_size) * shape[1:].numel():
+            raise RuntimeError(f"{type(unit).__name__}: a parameter of shape {tuple(shape)} takes {length} elements "
+                               f"per rank, not its dim-0 chunk's; the hybrid rows cannot lay it out")
+    return shapes
+
+
+class ExactCrossNodeAllReduce:
+    """Preset hybrid's cross-node step: FSDP2's own HSDP all-reduce (an fp32 SUM among the ranks of equal local
+    index), metered as the engine meters it (``install_hybrid_all_reduce``)."""
+
+    feedback = None
+
+    def __init__(self, topology: Topology, meter: CommMeter) -> None:
+        self.group, self.meter = topology.inter_node_group, meter
+
+    def reduce(self, partial: torch.Tensor, unit: int) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total, group=self.group)
+        self.meter.record_allreduce(self.group, nbytes(total), f"hybrid cross-node all-reduce {total.dtype} "
+                                    "(FSDP2 HSDP)", kind="hybrid_allreduce")
+        return total
+
+
+def cross_node_all_reduce(config: ZeroPPConfig, topology: Topology,
+                          meter: CommMeter) -> QuantizedCrossNodeAllReduce | ExactCrossNodeAllReduce | None:
+    """What a hybrid-sharding candidate runs across nodes, sending on ``meter``; None for a ZeRO++ (qgZ) one."""
+    if config.shard_group != "node":
+        return None
+    if config.hybrid_gradient_bits is None:
+        return ExactCrossNodeAllReduce(topology, meter)
+    return QuantizedCrossNodeAllReduce(config, topology, meter)
+
+
+class HybridReduceScatter:
+    """Hybrid sharding's gradient path (presets hybrid, hybrid-q) run on a world-sharded unit's reduce-scatter input,
+    so that it is measured on the very gradients the qgZ candidates get.
+
+    Hybrid sharding's FSDP2 shards the unit over the ranks of one node, so its cross-node all-reduce quantizes the
+    node layout of the unit's flat buffer, not the world layout FSDP hands this probe: the blocks would fall
+    elsewhere. So the input (each rank's unreduced gradients, world layout) is laid out as FSDP2 on the node's mesh
+    would (``relayout``), reduce-scattered exactly inside the node, and its node partial sum is reduced across nodes
+    by the engine's own all-reduce (``cross_node.reduce``: the SUM over all ranks, as the exact reduce-scatter's;
+    FSDP divides either by the world size afterwards). The node's shards of that sum are then gathered, a step of
+    the emulation alone (not metered: the engine keeps the node layout), and this rank's world shard cut from them.
+    """
+
+    def __init__(self, cross_node: QuantizedCrossNodeAllReduce | ExactCrossNodeAllReduce, topology: Topology,
+                 meter: CommMeter, unit: nn.Module, index: int) -> None:
+        self.cross_node, self.topology, self.unit, self.index = cross_node, topology, unit, index
+        self.intra_node = MeteredReduceScatter(meter)  # no byte of it crosses nodes
+
+    @property
+    def feedback(self) -> Any:
+        """The cross-node all-reduce's error feedback (None without), which a new window resets."""
+        return getattr(self.cross_node, "feedback", None)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: Any,
+                 async_op: bool = False) -> None:
+        check_sum(op)
+        topo = self.topology
+        shapes = unit_shapes(self.unit, output_tensor.numel(), topo.world_size)
+        node_layout = relayout(input_tensor.view(topo.world_size, -1), shapes, topo.node_size)
+        partial = node_layout.new_empty(node_layout.shape[1])
+        self.intra_node(partial, node_layout.reshape(-1), topo.intra_node_group, op)
+        total = self.cross_node.reduce(partial, self.index)
+        gathered = total.new_empty(topo.node_size * total.numel())
+        all_gather_single(gathered, total, topo.intra_node_group)
+        output_tensor.copy_(relayout(gathered.view(topo.node_size, -1), shapes, topo.world_size)[topo.rank])
 
 
 class WidthRules:
@@ -657,7 +776,8 @@ def summarize(result: dict) -> dict:
             row = {"name": name}
             for k, cls in enumerate(CLASSES):
                 row[cls] = {"relative_error": stacked[:, c, k, 0].mean().item(),
-                            "relative_error_range": [stacked[:, c, k, 0].min().item(), stacked[:, c, k, 0].max().item()],
+                            "relative_error_range": [stacked[:, c, k, 0].min().item(),
+                                                     stacked[:, c, k, 0].max().item()],
                             "cosine": stacked[:, c, k, 1].mean().item()}
             rows.append(row)
         return rows
