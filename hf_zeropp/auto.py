@@ -2,14 +2,16 @@
 hybrid or hybrid-q for this model on this cluster.
 
 The probe (about a second) times an all-to-all inside the node and one across nodes, at a small size (the per-call
-latency) and at sizes growing until one exchange takes 50 ms (the bytes per second each rank sends), and the
-quantization kernels. Every rank measures; the slowest rank's numbers count, and rank 0 decides and broadcasts, so
-every rank shards the same way. The model then predicts each candidate's communication time per step from the
-bytes each rank sends inside and across nodes (the counts :func:`hf_zeropp.comm_stats` reports, derived from the
-parameter count), the number of collective calls, and the kernel time of its quantization. Compute is the same for
-every candidate, so it drops out of the comparison. ZeRO-3 is kept unless another candidate is predicted at least
-``MARGIN`` faster; hybrid is a candidate only when the model's states divided by the ranks of a node fit the
-memory free per rank.
+latency) and at sizes growing until one exchange takes 50 ms (the bytes per second each rank sends); then, with every
+rank at once, as in training (ranks that share a device or a host's cores slow each other down), the quantization
+kernels and an AdamW step, each on a million elements. Every rank measures; the slowest rank's numbers count, and
+rank 0 decides and broadcasts, so every rank shards the same way. The model then predicts the part of each
+candidate's step time that differs between them: the bytes each rank sends inside and across nodes (the counts
+:func:`hf_zeropp.comm_stats` reports, derived from the parameter count), the number of collective calls, the kernel
+time of its quantization, and its optimizer step, which hybrid sharding runs on 1/(ranks per node) of the model
+where ZeRO runs it on 1/world. The forward and backward compute is the same for every candidate, so it drops out of
+the comparison. ZeRO-3 is kept unless another candidate is predicted at least ``MARGIN`` faster; hybrid is a
+candidate only when the model's states divided by the ranks of a node fit the memory free per rank.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ PROBE_ENV = "ZEROPP_AUTO_PROBE"  # "0" turns the probe off: auto then keeps ZeRO
 # bytes each rank sends to each peer: the latency's message, the first and the largest rate message; the rate
 # message grows until one exchange takes _LONG seconds
 _SMALL, _MEDIUM, _LARGE, _LONG = 1 << 10, 1 << 16, 1 << 24, 0.05
+_COMPUTE_ELEMENTS = 1 << 20  # the size the kernels and the optimizer step are timed at: beyond the caches
 _DTYPE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2}
 _INT8, _INT4 = 1 + 4 / 256, 0.5 + 4 / 256  # bytes per element with one fp32 scale per 256
 
@@ -42,20 +45,34 @@ _INT8, _INT4 = 1 + 4 / 256, 0.5 + 4 / 256  # bytes per element with one fp32 sca
 @dataclass(frozen=True)
 class Links:
     """What the probe measured: per-call latency (s) and the bytes per second a rank sends, inside a node and across
-    nodes; seconds per element to quantize and dequantize."""
+    nodes; seconds per element to quantize and dequantize, and to take an AdamW step, with every rank at work."""
 
     intra_latency: float
     intra_rate: float
     inter_latency: float
     inter_rate: float
     quantize_seconds_per_element: float
+    update_seconds_per_element: float
 
-    def seconds(self, calls: dict[str, int], sent: dict[str, float], elements: float) -> float:
-        """Calls and bytes per rank (``intra``, ``inter``, ``world`` calls pay the slower latency) plus kernels."""
+    def seconds(self, traffic: StepTraffic) -> float:
+        """Calls and bytes per rank (``intra``, ``inter``, ``world`` calls pay the slower latency), kernels and the
+        optimizer step."""
+        calls, sent = traffic.calls, traffic.sent
         latency = (calls.get("intra", 0) * self.intra_latency + calls.get("inter", 0) * self.inter_latency
                    + calls.get("world", 0) * max(self.intra_latency, self.inter_latency))
         return (latency + sent.get("intra", 0.0) / self.intra_rate + sent.get("inter", 0.0) / self.inter_rate
-                + elements * self.quantize_seconds_per_element)
+                + traffic.quantized * self.quantize_seconds_per_element
+                + traffic.updated * self.update_seconds_per_element)
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """One rank's work per step that differs between the candidates."""
+
+    calls: dict[str, int]  # collective calls per group kind: intra, inter, world
+    sent: dict[str, float]  # bytes sent inside and across nodes
+    quantized: float  # elements quantized and dequantized
+    updated: float  # parameters this rank's optimizer step updates
 
 
 def probe_links(topology: Topology, device: torch.device) -> Links:
@@ -75,14 +92,19 @@ def probe_links(topology: Topology, device: torch.device) -> Links:
                 break
             size *= 4
         measured += [small, (peers - 1) * (size - _SMALL) / max(large - small, 1e-9)]
-    values = torch.randn(1 << 18, device=device)
-    quantize = _time(lambda: kernels.dequantize(*kernels.quantize(values, 4, 256), bits=4, block_size=256))
-    # the slowest rank's latency and kernel time, its lowest rate: rates travel as their inverse
-    times = torch.tensor([measured[0], 1 / measured[1], measured[2], 1 / measured[3], quantize], dtype=torch.float64,
-                         device=device)
+    values = torch.randn(_COMPUTE_ELEMENTS, device=device)
+    quantize = _time_together(lambda: kernels.dequantize(*kernels.quantize(values, 4, 256), bits=4, block_size=256),
+                              device)
+    weights = nn.Parameter(values.clone())
+    weights.grad = torch.randn_like(values)
+    optimizer = torch.optim.AdamW([weights])
+    update = _time_together(optimizer.step, device)
+    # the slowest rank's latency and compute times, its lowest rate: rates travel as their inverse
+    times = torch.tensor([measured[0], 1 / measured[1], measured[2], 1 / measured[3], quantize, update],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return Links(float(times[0]), 1 / float(times[1]), float(times[2]), 1 / float(times[3]),
-                 float(times[4]) / values.numel())
+                 float(times[4]) / _COMPUTE_ELEMENTS, float(times[5]) / _COMPUTE_ELEMENTS)
 
 
 def _all_to_all(group: dist.ProcessGroup, peers: int, per_peer: int, device: torch.device) -> None:
@@ -99,37 +121,59 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(value)
 
 
-def _time(run, repeats: int = 3) -> float:
+def _time(run, repeats: int = 3, before_each=None) -> float:
     run()  # warm-up: connections and buffers
     samples = []
     for _ in range(repeats):
+        if before_each is not None:
+            before_each()
         start = time.perf_counter()
         run()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
 
+def _time_together(run, device: torch.device) -> float:
+    """:func:`_time` with every rank starting each repetition at once (a barrier before it), so that ranks sharing a
+    device or a host's cores compete as they do in training."""
+    def synchronized() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+
+    def finished() -> None:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return _time(finished, before_each=synchronized)
+
+
 def step_traffic(name: str, config: ZeroPPConfig, topology: Topology, parameters: int, trainable: int,
-                 units: int) -> tuple[dict[str, int], dict[str, float], float]:
-    """(calls per group kind, bytes this rank sends intra / inter node, elements quantized) for one step of stage 3
-    under preset ``name`` with ``config``'s dtypes, by the meter's accounting."""
+                 units: int) -> StepTraffic:
+    """One rank's calls, bytes sent, elements quantized and parameters updated for one step of stage 3 under preset
+    ``name`` with ``config``'s dtypes, bytes by the meter's accounting."""
     w, g = _DTYPE_BYTES[config.mixed_precision], _DTYPE_BYTES[config.reduce_dtype]
     d, n, world = topology.node_size, topology.nodes, topology.world_size
     intra_share, inter_share = (d - 1) / world, (world - d) / world  # of a world collective's buffer, per rank
     if name == "zero3":
         data = 2 * parameters * w + trainable * g
-        return {"world": 3 * units}, {"intra": data * intra_share, "inter": data * inter_share}, 0.0
+        return StepTraffic({"world": 3 * units}, {"intra": data * intra_share, "inter": data * inter_share}, 0.0,
+                           trainable / world)
     if name == "zeropp":
         forward = parameters * _INT8
         sent = {"intra": forward * intra_share + parameters * w * (d - 1) / d + trainable * _INT4 * (d - 1) / d,
                 "inter": forward * inter_share + trainable * _INT4 * (n - 1) / world}
-        return {"world": units, "intra": 2 * units, "inter": units}, sent, parameters * 2.0 + trainable * 2.0
+        return StepTraffic({"world": units, "intra": 2 * units, "inter": units}, sent,
+                           parameters * 2.0 + trainable * 2.0, trainable / world)
     node_data = 2 * parameters * w + trainable * g
     intra = node_data * (d - 1) / d
     if name == "hybrid":
-        return {"intra": 3 * units, "inter": units}, {"intra": intra, "inter": 2 * trainable * g * (n - 1) / world}, 0.0
+        return StepTraffic({"intra": 3 * units, "inter": units},
+                           {"intra": intra, "inter": 2 * trainable * g * (n - 1) / world}, 0.0, trainable / d)
     inter = 2 * trainable * _INT4 * (n - 1) / world
-    return {"intra": 3 * units, "inter": 2 * units}, {"intra": intra, "inter": inter}, 3.0 * trainable / d
+    return StepTraffic({"intra": 3 * units, "inter": 2 * units}, {"intra": intra, "inter": inter},
+                       3.0 * trainable / d, trainable / d)
 
 
 def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
@@ -148,7 +192,7 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fits = hybrid_fits(model, topology, device)[0]
-    predicted = {name: links.seconds(*step_traffic(name, config, topology, parameters, trainable, units))
+    predicted = {name: links.seconds(step_traffic(name, config, topology, parameters, trainable, units))
                  for name in CANDIDATES if fits or not name.startswith("hybrid")}
     best = min(predicted, key=predicted.get)
     if predicted[best] > (1 - MARGIN) * predicted["zero3"]:
@@ -159,7 +203,9 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
     alternatives = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in sorted(predicted.items(),
                                                                                          key=lambda kv: kv[1]))
     return resolved(best), (
-        f"auto: {best} (predicted communication per step: {alternatives}; links measured: intra-node "
-        f"{links.intra_rate / 1e6:.0f} MB/s + {links.intra_latency * 1e3:.2f} ms per call, inter-node "
-        f"{links.inter_rate / 1e6:.0f} MB/s + {links.inter_latency * 1e3:.2f} ms per call"
+        f"auto: {best} (predicted communication, quantization and optimizer step per step: {alternatives}; links "
+        f"measured: intra-node {links.intra_rate / 1e6:.0f} MB/s + {links.intra_latency * 1e3:.2f} ms per call, "
+        f"inter-node {links.inter_rate / 1e6:.0f} MB/s + {links.inter_latency * 1e3:.2f} ms per call; with every "
+        f"rank at work, {links.quantize_seconds_per_element * 1e9:.1f} ns per element to quantize and dequantize, "
+        f"{links.update_seconds_per_element * 1e9:.1f} ns per parameter for an AdamW step"
         + ("" if fits else "; hybrid left out: the states do not fit a node") + ")")

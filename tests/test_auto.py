@@ -12,9 +12,10 @@ from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.topology import Topology
 
 SLOW = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-3, inter_rate=12.5e6,
-             quantize_seconds_per_element=1e-9)  # 100 Mbit/s between nodes
+             quantize_seconds_per_element=1e-9, update_seconds_per_element=1e-9)  # 100 Mbit/s between nodes
+# as fast across nodes as inside: quantizing costs, and so does hybrid's larger optimizer step
 FAST = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-4, inter_rate=5e9,
-             quantize_seconds_per_element=2e-9)  # as fast across nodes as inside: quantizing only costs
+             quantize_seconds_per_element=2e-9, update_seconds_per_element=2e-9)
 
 
 def test_step_traffic_counts_what_the_meter_counts():
@@ -24,19 +25,21 @@ def test_step_traffic_counts_what_the_meter_counts():
     config = ZeroPPConfig.preset("zero3")
     topology = Topology.from_config(ZeroPPConfig(node_size=4), 8)
     p = 1_000_000
-    calls, sent, elements = step_traffic("zero3", config, topology, p, p, units=3)
-    assert calls == {"world": 9} and elements == 0
-    assert sent == pytest.approx({"intra": 12e6 * 3 / 8, "inter": 12e6 * 4 / 8})
+    zero3 = step_traffic("zero3", config, topology, p, p, units=3)
+    assert zero3.calls == {"world": 9} and zero3.quantized == 0
+    assert zero3.sent == pytest.approx({"intra": 12e6 * 3 / 8, "inter": 12e6 * 4 / 8})
     int8, int4 = 1 + 4 / 256, 0.5 + 4 / 256
-    _, sent, _ = step_traffic("zeropp", config, topology, p, p, units=3)
+    sent = step_traffic("zeropp", config, topology, p, p, units=3).sent
     assert sent["inter"] == pytest.approx(p * int8 * 4 / 8 + p * int4 / 8)
     assert sent["intra"] == pytest.approx(p * int8 * 3 / 8 + 4e6 * 3 / 4 + p * int4 * 3 / 4)
-    _, sent, _ = step_traffic("hybrid", config, topology, p, p, units=3)
-    assert sent == pytest.approx({"intra": 12e6 * 3 / 4, "inter": 2 * 4e6 / 8})
-    _, sent, elements = step_traffic("hybrid-q", config, topology, p, p, units=3)
-    assert sent["inter"] == pytest.approx(2 * p * int4 / 8) and elements == pytest.approx(3 * p / 4)
+    hybrid = step_traffic("hybrid", config, topology, p, p, units=3)
+    assert hybrid.sent == pytest.approx({"intra": 12e6 * 3 / 4, "inter": 2 * 4e6 / 8})
+    hybrid_q = step_traffic("hybrid-q", config, topology, p, p, units=3)
+    assert hybrid_q.sent["inter"] == pytest.approx(2 * p * int4 / 8) and hybrid_q.quantized == pytest.approx(3 * p / 4)
+    # the optimizer step: ZeRO's over 1/world of the parameters, hybrid's over the node's share
+    assert zero3.updated == p / 8 and hybrid.updated == hybrid_q.updated == p / 4
     # the ordering the arithmetic gives: hybrid-q sends the fewest bytes across nodes, then ZeRO++
-    inter = {name: step_traffic(name, config, topology, p, p, 3)[1]["inter"] for name in CANDIDATES}
+    inter = {name: step_traffic(name, config, topology, p, p, 3).sent["inter"] for name in CANDIDATES}
     assert inter["hybrid-q"] < inter["zeropp"] < inter["hybrid"] < inter["zero3"]
 
 
@@ -91,7 +94,8 @@ def auto_runs():
 def test_auto_picks_hybrid_q_on_a_slow_link_and_zeropp_without_room_for_hybrid(auto_runs):
     slow, no_room = auto_runs[0]["slow"], auto_runs[0]["slow_no_room"]
     assert (slow["shard_group"], slow["hybrid_gradient_bits"]) == ("node", 4)
-    assert slow["note"][0].startswith("auto: hybrid-q (predicted communication per step: hybrid-q ")
+    assert slow["note"][0].startswith("auto: hybrid-q (predicted communication, quantization and optimizer step per "
+                                      "step: hybrid-q ")
     assert slow["losses"] == auto_runs[0]["hybrid-q"], "auto trains exactly as the preset it chose"
     assert no_room["shard_group"] == "world" and no_room["quantized_weights"] and no_room["quantized_gradients"]
     assert "hybrid left out: the states do not fit a node" in no_room["note"][0]
