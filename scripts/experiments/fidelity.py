@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
@@ -84,7 +85,7 @@ from hf_zeropp.hybrid import QuantizedCrossNodeAllReduce
 from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 from hf_zeropp.kernels.reference import hadamard_rows, num_blocks
 from hf_zeropp.layout import parameter_spans
-from hf_zeropp.qgz import make_reduce_scatter
+from hf_zeropp.qgz import QuantizedReduceScatter, make_reduce_scatter
 from hf_zeropp.qwz import make_all_gather
 from hf_zeropp.state import fsdp_modules, zeropp_state
 from hf_zeropp.topology import Topology
@@ -428,8 +429,7 @@ class GradientProbe(ReduceScatter):
 
     def __init__(self, probe: Probe, unit: nn.Module, index: int, exact: Any, topology) -> None:
         self.probe, self.unit, self.index, self.exact = probe, unit, index, exact
-        self.candidates = [make_reduce_scatter(candidate_config(overrides), topology, meter, unit) if cross_node is None
-                           else HybridReduceScatter(cross_node, topology, meter, unit, index)
+        self.candidates = [gradient_candidate(candidate_config(overrides), cross_node, topology, meter, unit, index)
                            for overrides, meter, cross_node in zip(probe.candidates.values(), probe.gradient_meters,
                                                                    probe.cross_node)]
 
@@ -511,8 +511,6 @@ class ExactCrossNodeAllReduce:
     """Preset hybrid's cross-node step: FSDP2's own HSDP all-reduce (an fp32 SUM among the ranks of equal local
     index), metered as the engine meters it (``install_hybrid_all_reduce``)."""
 
-    feedback = None
-
     def __init__(self, topology: Topology, meter: CommMeter) -> None:
         self.group, self.meter = topology.inter_node_group, meter
 
@@ -547,15 +545,12 @@ class HybridReduceScatter:
     the emulation alone (not metered: the engine keeps the node layout), and this rank's world shard cut from them.
     """
 
-    def __init__(self, cross_node: QuantizedCrossNodeAllReduce | ExactCrossNodeAllReduce, topology: Topology,
-                 meter: CommMeter, unit: nn.Module, index: int) -> None:
+    def __init__(self, cross_node: QuantizedCrossNodeAllReduce | ExactCrossNodeAllReduce, error_feedback: bool,
+                 topology: Topology, meter: CommMeter, unit: nn.Module, index: int) -> None:
         self.cross_node, self.topology, self.unit, self.index = cross_node, topology, unit, index
         self.intra_node = MeteredReduceScatter(meter)  # no byte of it crosses nodes
-
-    @property
-    def feedback(self) -> Any:
-        """The cross-node all-reduce's error feedback (None without), which a new window resets."""
-        return getattr(self.cross_node, "feedback", None)
+        # what Probe.start_window resets, as qgZ's ErrorFeedback: the residuals belong to the last window's gradients
+        self.feedback = SimpleNamespace(reset=cross_node.reset_feedback) if error_feedback else None
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: Any,
                  async_op: bool = False) -> None:
@@ -569,6 +564,16 @@ class HybridReduceScatter:
         gathered = total.new_empty(topo.node_size * total.numel())
         all_gather_single(gathered, total, topo.intra_node_group)
         output_tensor.copy_(relayout(gathered.view(topo.node_size, -1), shapes, topo.world_size)[topo.rank])
+
+
+def gradient_candidate(config: ZeroPPConfig, cross_node: QuantizedCrossNodeAllReduce | ExactCrossNodeAllReduce | None,
+                       topology: Topology, meter: CommMeter, unit: nn.Module,
+                       index: int) -> QuantizedReduceScatter | HybridReduceScatter:
+    """The unit's reduce-scatter under the gradient candidate ``config``: qgZ's (ZeRO++), or hybrid sharding's
+    through ``cross_node``, the candidate's all-reduce (cross_node_all_reduce)."""
+    if cross_node is None:
+        return make_reduce_scatter(config, topology, meter, unit)
+    return HybridReduceScatter(cross_node, config.gradient_error_feedback, topology, meter, unit, index)
 
 
 class WidthRules:
