@@ -120,8 +120,8 @@ class ZeroPPConfig:
     gradient_bits: Literal[8, 4] = _option(4, QGZ, "qgZ width of the inter-node hop", invalid=_UNSUPPORTED)
     gradient_block_size: int | None = _option(None, QGZ, "block size for gradients (None = `block_size`)")
     gradient_full_precision_1d: bool = _option(
-        True, QGZ, "qgZ: 1-D parameters (biases, norm gains) reduce-scattered in the reduce dtype, as DeepSpeed's "
-                   "qgZ does; False quantizes them with the matrices")
+        True, QGZ, "qgZ and hybrid-q: 1-D parameters (biases, norm gains) reduced in the reduce dtype (qgZ, as "
+                   "DeepSpeed's does) or fp32 (hybrid-q); False quantizes them with the matrices")
     qgz_pipeline_stages: int = _option(
         1, QGZ, "qgZ pipeline stages (ZeRO++ Alg. 2): intra- and inter-node hops overlap")
     # ---------------------------------------------------------------- qgZ accuracy options

@@ -12,6 +12,9 @@ own HSDP all-reduce (a 2-D mesh). Quantized, FSDP2 runs on the node's 1-D mesh a
 2. an all-gather of the requantized sums. Every node dequantizes every chunk, its own included, so that all
    replicas get the same gradient, bit for bit, and stay identical after the optimizer step.
 
+With ``gradient_full_precision_1d`` (the default, as for qgZ) the 1-D parameters' values (biases, norm gains) are
+left out of the blocks and all-reduced in fp32 beside them: a few bytes that keep them exact.
+
 Both hops run asynchronously: the hook quantizes a unit's partial sum, starts hop 1 and returns, so the rest of the
 backward runs while the bytes travel; the next unit's hook starts hop 2 of the one before (at the same point on every
 rank: collectives on one group must keep one order). Once the backward
@@ -37,7 +40,7 @@ from . import kernels
 from ._compat import in_backward, local_tensor, queue_backward_callback
 from .comm_meter import CommMeter, nbytes
 from .config import ZeroPPConfig
-from .layout import parameter_spans
+from .layout import VectorSlices, parameter_spans
 from .qgz_payload import BlockQuantizedPayload, ErrorFeedback
 from .topology import Topology
 
@@ -55,6 +58,9 @@ class _Unit:
     accumulated: list[torch.Tensor | None]  # the gradients the parameters held before this backward (accumulation)
     rows: torch.Tensor  # the partial sum in fp32, zero-padded, one row per node
     feedback: ErrorFeedback | None  # the unit's residuals (gradient_error_feedback)
+    vectors: torch.Tensor | None  # positions of the 1-D parameters in the partial sum, reduced in fp32 on their own
+    vector_sum: torch.Tensor | None = None
+    vector_work: dist.Work | None = None
     hop1: dist.Work | None = None
     arrived: torch.Tensor | None = None
     hop2: dist.Work | None = None
@@ -81,13 +87,15 @@ class QuantizedCrossNodeAllReduce:
                                                config.gradient_error_feedback_reset)
                              if config.gradient_error_feedback else None)
         self.unit_feedback: dict[int, ErrorFeedback] = {}  # per unit (hook_for's order), with error feedback
-        self.units = 0
+        self.full_precision_1d = config.gradient_full_precision_1d
+        self.vector_slices: list[VectorSlices] = []  # per unit, in hook_for's order
         self.calls = 0
         self.pending: list[_Unit] = []
         self.finish_queued = False
 
     def hook_for(self, module: nn.Module):
-        index, self.units = self.units, self.units + 1
+        index = len(self.vector_slices)
+        self.vector_slices.append(VectorSlices(module, trainable_only=True))
 
         def hook(reduce_output: torch.Tensor) -> None:
             self._start(module, index, reduce_output)
@@ -97,13 +105,20 @@ class QuantizedCrossNodeAllReduce:
     # ---------------------------------------------------------------- the hook
 
     def _start(self, module: nn.Module, index: int, reduce_output: torch.Tensor) -> None:
-        spans = parameter_spans(module, True, reduce_output.numel(), self.topology.node_size)
+        numel, node_size = reduce_output.numel(), self.topology.node_size
+        spans = parameter_spans(module, True, numel, node_size)
+        vectors = None
+        if self.full_precision_1d:
+            vectors = self.vector_slices[index].positions(numel, node_size, reduce_output.device)
+            if vectors is None:
+                self.meter.note("hybrid_1d_fallback", f"{type(module).__name__}: the gradient does not match the "
+                                f"unit's parameters (one got no gradient), so its 1-D slices were quantized too")
         if spans is None or not in_backward():
             # FSDP's layout is not the one expected (or no backward to wait for): finish now, in place
             self.meter.note("hybrid_synchronous", "a unit whose gradient layout was not the expected one")
-            reduce_output.copy_(self.reduce(reduce_output, index))
+            reduce_output.copy_(self.reduce(reduce_output, index, vectors))
             return
-        unit = self._unit(reduce_output, index, spans)
+        unit = self._unit(reduce_output, index, spans, vectors)
         self._send_chunks(unit)
         unit.accumulated = [None if p.grad is None else local_tensor(p.grad).clone() for p, _, _ in spans]
         if self.pending and self.pending[-1].hop2 is None:
@@ -115,12 +130,13 @@ class QuantizedCrossNodeAllReduce:
             queue_backward_callback(self.finish)
             self.finish_queued = True
 
-    def reduce(self, partial: torch.Tensor, unit: int = 0) -> torch.Tensor:
+    def reduce(self, partial: torch.Tensor, unit: int = 0, vectors: torch.Tensor | None = None) -> torch.Tensor:
         """This node's partial sum of the gradient of unit ``unit`` (whose error-feedback residuals apply) to the
         sum over all nodes (fp32, the same bits on every replica), both hops waited for: the path of a unit that
         cannot wait for the backward's end, and what an instrument measuring this all-reduce on gradients of its
-        own calls (a collective of the inter-node group)."""
-        reduction = self._unit(partial, unit, [])
+        own calls (a collective of the inter-node group). ``vectors``: positions reduced in fp32 instead (the 1-D
+        parameters' with ``gradient_full_precision_1d``)."""
+        reduction = self._unit(partial, unit, [], vectors)
         self._send_chunks(reduction)
         self._receive_chunks(reduction)
         return self._result(reduction)
@@ -130,18 +146,20 @@ class QuantizedCrossNodeAllReduce:
         for feedback in self.unit_feedback.values():
             feedback.reset()
 
-    def _unit(self, reduce_output: torch.Tensor, index: int, spans: list[tuple[nn.Parameter, int, int]]) -> _Unit:
+    def _unit(self, reduce_output: torch.Tensor, index: int, spans: list[tuple[nn.Parameter, int, int]],
+              vectors: torch.Tensor | None) -> _Unit:
         topo, numel = self.topology, reduce_output.numel()
         chunk = -(-numel // (topo.nodes * self.block_size)) * self.block_size
         rows = reduce_output.new_zeros(topo.nodes, chunk, dtype=torch.float32)
         rows.view(-1)[:numel] = reduce_output.detach()
+        vectors = vectors if vectors is not None and vectors.numel() else None
         feedback = None
         if self.new_feedback is not None:
             feedback = self.unit_feedback.get(index)
             if feedback is None:
                 feedback = self.unit_feedback[index] = self.new_feedback()
             feedback.start_reduction()
-        return _Unit(numel, spans, [], rows, feedback)
+        return _Unit(numel, spans, [], rows, feedback, vectors)
 
     # ---------------------------------------------------------------- the two hops
 
@@ -174,6 +192,15 @@ class QuantizedCrossNodeAllReduce:
 
     def _send_chunks(self, unit: _Unit) -> None:
         """Hop 1: chunk ``m`` of this node's partial sum, quantized, to the rank of my local index on node ``m``."""
+        if unit.vectors is not None:
+            # biases and norm gains would share blocks with values of another magnitude and lose their precision;
+            # zeros quantize exactly and leave the scales to the matrices
+            flat = unit.rows.view(-1)
+            unit.vector_sum = flat[unit.vectors]
+            flat[unit.vectors] = 0
+            unit.vector_work = dist.all_reduce(unit.vector_sum, group=self.group, async_op=True)
+            self.meter.record_allreduce(self.group, nbytes(unit.vector_sum), "hybrid cross-node all-reduce of the "
+                                        "1-D parameters, fp32", kind="hybrid_1d_full_precision")
         packed = self._quantize_compensated(unit, 0, unit.rows, exact_row=self.topology.node)
         if self.meter.track_errors:
             self.meter.record_error("hybrid_reduce_scatter", unit.rows, self._dequantize(packed, unit.rows.shape[1]))
@@ -204,7 +231,11 @@ class QuantizedCrossNodeAllReduce:
         codes, scales = self._unpack(unit.gathered, length)
         summed = kernels.dequant_reduce(codes[None], scales[None], bits=self.bits, block_size=self.block_size,
                                         length=length, scale=scale, hadamard=self.hadamard, backend=self.backend)
-        return summed.view(-1)[:unit.numel]
+        result = summed.view(-1)[:unit.numel]
+        if unit.vectors is not None:
+            unit.vector_work.wait()
+            result[unit.vectors] = unit.vector_sum * scale
+        return result
 
     # ---------------------------------------------------------------- after backward
 
@@ -248,6 +279,7 @@ class QuantizedCrossNodeAllReduce:
                 f"among {self.topology.nodes} nodes, asynchronous"
                 + (f", Hadamard {self.hadamard}" if self.hadamard else "")
                 + (", stochastic rounding" if self.stochastic else "")
+                + (", 1-D parameters in full precision" if self.full_precision_1d else "")
                 + (f", {self.new_feedback().describe()} on both hops" if self.new_feedback is not None else ""))
 
 

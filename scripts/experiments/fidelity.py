@@ -135,6 +135,9 @@ GRADIENT_CANDIDATES: dict[str, dict[str, Any]] = {
     "hybrid-q (int4 across nodes, block 256)": {"preset": "hybrid-q"},
     "hybrid-q, Hadamard 64": {"preset": "hybrid-q", "gradient_hadamard": 64},
     "hybrid-q, int8 across nodes": {"preset": "hybrid-q", "hybrid_gradient_bits": 8},
+    "hybrid-q, error feedback": {"preset": "hybrid-q", "gradient_error_feedback": True},
+    "hybrid-q, Hadamard 64 + error feedback": {"preset": "hybrid-q", "gradient_hadamard": 64,
+                                               "gradient_error_feedback": True},
 }
 # ways of choosing the inter-node hop's per-block widths, compared on one quantization of the exact shard
 WIDTH_RULES = ("fixed 4 bits (ZeRO++)", "absmax: least L2 error (gradient_bit_allocation)",
@@ -492,6 +495,18 @@ def relayout(rows: torch.Tensor, shapes: list[torch.Size], parts: int) -> torch.
     return torch.cat(parts_of, dim=1)
 
 
+def vector_positions(shapes: list[torch.Size], parts: int) -> torch.Tensor:
+    """Where the 1-D parameters of ``shapes`` lie in one rank's row of ``relayout``'s layout over ``parts`` ranks
+    (their padding included: it holds zeros)."""
+    offset, positions = 0, []
+    for shape in shapes:
+        width = -(-shape[0] // parts) * shape[1:].numel()
+        if len(shape) == 1:
+            positions.append(torch.arange(offset, offset + width))
+        offset += width
+    return torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
+
+
 def unit_shapes(unit: nn.Module, rank_numel: int, group_size: int) -> list[torch.Size]:
     """The full shapes of the unit's trainable parameters, in the order of its reduce-scatter buffer, checked against
     FSDP2's layout of ``rank_numel`` elements per rank over ``group_size`` ranks: dim 0 chunked (``relayout``)."""
@@ -514,7 +529,7 @@ class ExactCrossNodeAllReduce:
     def __init__(self, topology: Topology, meter: CommMeter) -> None:
         self.group, self.meter = topology.inter_node_group, meter
 
-    def reduce(self, partial: torch.Tensor, unit: int) -> torch.Tensor:
+    def reduce(self, partial: torch.Tensor, unit: int, vectors: torch.Tensor | None = None) -> torch.Tensor:
         total = partial.clone()
         dist.all_reduce(total, group=self.group)
         self.meter.record_allreduce(self.group, nbytes(total), f"hybrid cross-node all-reduce {total.dtype} "
@@ -545,9 +560,11 @@ class HybridReduceScatter:
     the emulation alone (not metered: the engine keeps the node layout), and this rank's world shard cut from them.
     """
 
-    def __init__(self, cross_node: QuantizedCrossNodeAllReduce | ExactCrossNodeAllReduce, error_feedback: bool,
+    def __init__(self, cross_node: QuantizedCrossNodeAllReduce | ExactCrossNodeAllReduce, config: ZeroPPConfig,
                  topology: Topology, meter: CommMeter, unit: nn.Module, index: int) -> None:
         self.cross_node, self.topology, self.unit, self.index = cross_node, topology, unit, index
+        self.full_precision_1d = config.gradient_full_precision_1d
+        error_feedback = config.gradient_error_feedback
         self.intra_node = MeteredReduceScatter(meter)  # no byte of it crosses nodes
         # what Probe.start_window resets, as qgZ's ErrorFeedback: the residuals belong to the last window's gradients
         self.feedback = SimpleNamespace(reset=cross_node.reset_feedback) if error_feedback else None
@@ -560,7 +577,8 @@ class HybridReduceScatter:
         node_layout = relayout(input_tensor.view(topo.world_size, -1), shapes, topo.node_size)
         partial = node_layout.new_empty(node_layout.shape[1])
         self.intra_node(partial, node_layout.reshape(-1), topo.intra_node_group, op)
-        total = self.cross_node.reduce(partial, self.index)
+        vectors = vector_positions(shapes, topo.node_size) if self.full_precision_1d else None
+        total = self.cross_node.reduce(partial, self.index, vectors)
         gathered = total.new_empty(topo.node_size * total.numel())
         all_gather_single(gathered, total, topo.intra_node_group)
         output_tensor.copy_(relayout(gathered.view(topo.node_size, -1), shapes, topo.world_size)[topo.rank])
@@ -573,7 +591,7 @@ def gradient_candidate(config: ZeroPPConfig, cross_node: QuantizedCrossNodeAllRe
     through ``cross_node``, the candidate's all-reduce (cross_node_all_reduce)."""
     if cross_node is None:
         return make_reduce_scatter(config, topology, meter, unit)
-    return HybridReduceScatter(cross_node, config.gradient_error_feedback, topology, meter, unit, index)
+    return HybridReduceScatter(cross_node, config, topology, meter, unit, index)
 
 
 class WidthRules:
@@ -750,7 +768,9 @@ def run_rank(recipe_path: str, starts: list[int], window: int, global_batch: int
 
     measure = Measure()
     trainer = build_trainer(recipe_path, global_batch, workdir, [measure])
-    model = f"{type(trainer.model).__name__}, {sum(p.numel() for p in trainer.model.parameters()):,} parameters"
+    parameters = list(trainer.model.parameters())
+    model = (f"{type(trainer.model).__name__}, {sum(p.numel() for p in parameters):,} parameters "
+             f"({sum(p.numel() for p in parameters if p.dim() == 1):,} in 1-D ones)")
     trainer.train()
     probe = measure.probe
     measured = len(per_step)
