@@ -22,6 +22,8 @@ CONFIGS: dict[str, dict | None] = {
 LINKS = ("100mbit", "300mbit", "1gbit", "3gbit", "none")
 ON_REQUEST: dict[str, dict] = {
     "ZeRO-2": {"stage": 2},  # weights kept gathered from forward to backward: what DeepSpeed's defaults do here
+    # what all-reducing the 1-D parameters in fp32 beside hybrid-q's INT4 blocks costs
+    "hybrid-q 1-D quantized": {"preset": "hybrid-q", "gradient_full_precision_1d": False},
 }
 DEEPSPEED: dict[str, dict] = {
     "DeepSpeed ZeRO-3": {"stage": 3},  # its defaults keep up to 1e9 gathered parameters live between uses
