@@ -266,6 +266,9 @@ def test_hybrid_q_unit_with_an_unused_parameter_is_reduced_synchronously_and_ave
     exact, quantized = results[0]["hybrid"]["grads"], results[0]["hybrid-q"]["grads"]
     notes = results[0]["hybrid-q"]["implementations"]["hybrid_synchronous"]
     assert notes == ["a unit whose gradient layout was not the expected one"]
+    fallback = results[0]["hybrid-q"]["implementations"]["hybrid_1d_fallback"]
+    assert fallback == ["FSDPGPT2Block: the gradient does not match the unit's parameters (one got no gradient), so its "
+                        "1-D slices were quantized too"]
     error = sum(float((quantized[n] - exact[n]).pow(2).sum()) for n in exact) ** 0.5
     assert error / sum(float(g.pow(2).sum()) for g in exact.values()) ** 0.5 < 0.35
     block = [n for n in exact if n.startswith("transformer.h.1.")]
