@@ -292,8 +292,7 @@ def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, to
         group = topology.inter_node_group
 
         def metered(reduced: torch.Tensor) -> None:
-            meter.record_allreduce(group, nbytes(reduced), f"hybrid cross-node all-reduce {reduced.dtype} (FSDP2 HSDP)",
-                                   kind="hybrid_allreduce")
+            record_hsdp_all_reduce(meter, group, reduced)
 
         for module in modules:
             module.set_all_reduce_hook(metered)
@@ -303,6 +302,12 @@ def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, to
         module.set_all_reduce_hook(all_reduce.hook_for(module))
         module.set_gradient_divide_factor(float(topology.world_size))
     return all_reduce
+
+
+def record_hsdp_all_reduce(meter: CommMeter, group: dist.ProcessGroup, reduced: torch.Tensor) -> None:
+    """Count one unit's full-precision cross-node all-reduce (FSDP2's HSDP) on ``meter``."""
+    meter.record_allreduce(group, nbytes(reduced), f"hybrid cross-node all-reduce {reduced.dtype} (FSDP2 HSDP)",
+                           kind="hybrid_allreduce")
 
 
 def check_hybrid_fits(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device) -> None:

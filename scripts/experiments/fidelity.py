@@ -78,10 +78,9 @@ from torch import nn
 
 import hf_zeropp
 from hf_zeropp._compat import AllGather, ReduceScatter
-from hf_zeropp.comm_meter import (CommMeter, MeteredReduceScatter, all_gather_single, allgather_kind, check_sum,
-                                  nbytes)
+from hf_zeropp.comm_meter import CommMeter, MeteredReduceScatter, all_gather_single, allgather_kind, check_sum
 from hf_zeropp.config import ZeroPPConfig
-from hf_zeropp.hybrid import QuantizedCrossNodeAllReduce
+from hf_zeropp.hybrid import QuantizedCrossNodeAllReduce, record_hsdp_all_reduce
 from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 from hf_zeropp.kernels.reference import hadamard_rows, num_blocks
 from hf_zeropp.layout import parameter_spans
@@ -477,6 +476,12 @@ class GradientProbe(ReduceScatter):
         return work
 
 
+def chunk_numel(shape: torch.Size, parts: int) -> int:
+    """Elements of one rank's dim-0 chunk of a parameter of ``shape`` sharded over ``parts`` ranks, padded as FSDP2
+    pads it (``ceil(dim 0 / parts)`` rows)."""
+    return -(-shape[0] // parts) * shape[1:].numel()
+
+
 def relayout(rows: torch.Tensor, shapes: list[torch.Size], parts: int) -> torch.Tensor:
     """A unit's flat buffer as FSDP2 lays it out over ``rows.shape[0]`` ranks, to the same buffer as FSDP2 lays it
     out over ``parts`` ranks: ``(parts, numel per rank)``. Row ``r`` is the concatenation, over the parameters of
@@ -484,9 +489,8 @@ def relayout(rows: torch.Tensor, shapes: list[torch.Size], parts: int) -> torch.
     parts)`` rows), zero-padded to that size; an emptied chunk is all padding."""
     offset, parts_of = 0, []
     for shape in shapes:
-        numel, row_numel = shape.numel(), shape[1:].numel()
-        width = -(-shape[0] // rows.shape[0]) * row_numel
-        padded = rows.new_zeros(parts, -(-shape[0] // parts) * row_numel)
+        numel, width = shape.numel(), chunk_numel(shape, rows.shape[0])
+        padded = rows.new_zeros(parts, chunk_numel(shape, parts))
         padded.view(-1)[:numel] = rows[:, offset:offset + width].reshape(-1)[:numel]
         parts_of.append(padded)
         offset += width
@@ -500,7 +504,7 @@ def vector_positions(shapes: list[torch.Size], parts: int) -> torch.Tensor:
     (their padding included: it holds zeros)."""
     offset, positions = 0, []
     for shape in shapes:
-        width = -(-shape[0] // parts) * shape[1:].numel()
+        width = chunk_numel(shape, parts)
         if len(shape) == 1:
             positions.append(torch.arange(offset, offset + width))
         offset += width
@@ -516,7 +520,7 @@ def unit_shapes(unit: nn.Module, rank_numel: int, group_size: int) -> list[torch
                            f"not match its FSDP parameters; the hybrid rows cannot lay it out")
     shapes = [param.shape for param, _, _ in spans]  # a DTensor's shape is the full parameter's
     for shape, (_, _, length) in zip(shapes, spans):
-        if length != -(-shape[0] // group_size) * shape[1:].numel():
+        if length != chunk_numel(shape, group_size):
             raise RuntimeError(f"{type(unit).__name__}: a parameter of shape {tuple(shape)} takes {length} elements "
                                f"per rank, not its dim-0 chunk's; the hybrid rows cannot lay it out")
     return shapes
@@ -532,8 +536,7 @@ class ExactCrossNodeAllReduce:
     def reduce(self, partial: torch.Tensor, unit: int, vectors: torch.Tensor | None = None) -> torch.Tensor:
         total = partial.clone()
         dist.all_reduce(total, group=self.group)
-        self.meter.record_allreduce(self.group, nbytes(total), f"hybrid cross-node all-reduce {total.dtype} "
-                                    "(FSDP2 HSDP)", kind="hybrid_allreduce")
+        record_hsdp_all_reduce(self.meter, self.group, total)
         return total
 
 
