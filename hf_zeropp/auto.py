@@ -1,5 +1,5 @@
 """``zeropp: auto`` (``shard_group: auto``): measure the links when sharding starts and choose ZeRO-3, ZeRO++,
-hybrid or hybrid-q for this model on this cluster.
+hybrid or hybrid-q, and the width of the quantized gradient, for this model on this cluster.
 
 The probe (about a second) times an all-to-all inside the node and one across nodes, at a small size (the per-call
 latency) and at sizes growing until one exchange takes 50 ms (the bytes per second each rank sends); then, with every
@@ -7,11 +7,13 @@ rank at once, as in training (ranks that share a device or a host's cores slow e
 kernels and an AdamW step, each on a million elements. Every rank measures; the slowest rank's numbers count, and
 rank 0 decides and broadcasts, so every rank shards the same way. The model then predicts the part of each
 candidate's step time that differs between them: the bytes each rank sends inside and across nodes (the counts
-:func:`hf_zeropp.comm_stats` reports, derived from the parameter count), the number of collective calls, the kernel
-time of its quantization, and its optimizer step, which hybrid sharding runs on 1/(ranks per node) of the model
-where ZeRO runs it on 1/world. The forward and backward compute is the same for every candidate, so it drops out of
-the comparison. ZeRO-3 is kept unless another candidate is predicted at least ``MARGIN`` faster; hybrid is a
-candidate only when the model's states divided by the ranks of a node fit the memory free per rank.
+:func:`hf_zeropp.comm_stats` reports, derived from the parameter count and the candidate's widths), the number of
+collective calls, the kernel time of its quantization, and its optimizer step, which hybrid sharding runs on
+1/(ranks per node) of the model where ZeRO runs it on 1/world. The forward and backward compute is the same for
+every candidate, so it drops out of the comparison. ZeRO-3 is kept unless another candidate is predicted at least
+``MARGIN`` faster; hybrid is a candidate only when the model's states divided by the ranks of a node fit the memory
+free per rank. A quantized choice then gets INT8 gradients instead of INT4 when those are predicted at most
+``WIDEN_MARGIN`` slower: on a link fast enough for that, accuracy is cheap.
 """
 
 from __future__ import annotations
@@ -31,7 +33,20 @@ from .hybrid import hybrid_fits
 from .presets import PRESETS
 from .topology import Topology
 
-CANDIDATES = ("zero3", "zeropp", "hybrid", "hybrid-q")
+# What auto chooses among, by the name it reports: the presets, and the quantized ones with the gradient widened to
+# INT8 (chosen where the link makes the extra bytes cheap: 16x finer steps for twice the gradient's bytes). It never
+# narrows a width below its preset's (INT4 weights, say): that would trade accuracy the user did not ask for.
+CANDIDATES: dict[str, dict] = {
+    "zero3": PRESETS["zero3"],
+    "zeropp": PRESETS["zeropp"],
+    "zeropp int8 gradients": {**PRESETS["zeropp"], "gradient_bits": 8},
+    "hybrid": PRESETS["hybrid"],
+    "hybrid-q": PRESETS["hybrid-q"],
+    "hybrid-q int8": {**PRESETS["hybrid-q"], "hybrid_gradient_bits": 8},
+}
+# the INT8 variant replaces the fastest candidate when predicted at most WIDEN_MARGIN slower
+WIDER = {"zeropp": "zeropp int8 gradients", "hybrid-q": "hybrid-q int8"}
+WIDEN_MARGIN = 0.05
 # ZeRO-3 gives way only to a candidate predicted at least 10 % faster: the model sees no overlap of communication
 # with compute, and on fast links, where every candidate's communication hides behind compute, its predictions
 # were measured 10-20 % off (docs/results/2026-11-27-hybrid-sharding.md)
@@ -42,7 +57,7 @@ PROBE_ENV = "ZEROPP_AUTO_PROBE"  # "0" turns the probe off: auto then keeps ZeRO
 _SMALL, _MEDIUM, _LARGE, _LONG = 1 << 10, 1 << 16, 1 << 24, 0.05
 _COMPUTE_ELEMENTS = 1 << 20  # the size the kernels and the optimizer step are timed at: beyond the caches
 _DTYPE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2}
-_INT8, _INT4 = 1 + 4 / 256, 0.5 + 4 / 256  # bytes per element with one fp32 scale per 256
+_QUANTIZED = {8: 1 + 4 / 256, 4: 0.5 + 4 / 256}  # bytes per element by width, with one fp32 scale per 256
 
 
 @dataclass(frozen=True)
@@ -152,31 +167,48 @@ def _time_together(run, device: torch.device) -> float:
     return _time(finished, before_each=synchronized)
 
 
-def step_traffic(name: str, config: ZeroPPConfig, topology: Topology, parameters: int, trainable: int,
+def step_traffic(config: ZeroPPConfig, topology: Topology, parameters: int, trainable: int,
                  units: int) -> StepTraffic:
-    """One rank's calls, bytes sent, elements quantized and parameters updated for one step of stage 3 under preset
-    ``name`` with ``config``'s dtypes, bytes by the meter's accounting."""
+    """One rank's calls, bytes sent, elements quantized and parameters updated for one step of stage 3 under the
+    resolved ``config`` (a candidate: its sharding, its widths and dtypes), bytes by the meter's accounting."""
     w, g = _DTYPE_BYTES[config.mixed_precision], _DTYPE_BYTES[config.reduce_dtype]
     d, n, world = topology.node_size, topology.nodes, topology.world_size
+    if config.shard_group == "node":
+        node_data = 2 * parameters * w + trainable * g
+        intra = node_data * (d - 1) / d
+        if config.hybrid_gradient_bits is None:
+            return StepTraffic({"intra": 3 * units, "inter": units},
+                               {"intra": intra, "inter": 2 * trainable * g * (n - 1) / world}, 0.0, trainable / d)
+        inter = 2 * trainable * _QUANTIZED[config.hybrid_gradient_bits] * (n - 1) / world
+        return StepTraffic({"intra": 3 * units, "inter": 2 * units}, {"intra": intra, "inter": inter},
+                           3.0 * trainable / d, trainable / d)
     intra_share, inter_share = (d - 1) / world, (world - d) / world  # of a world collective's buffer, per rank
-    if name == "zero3":
+    if not config.quantized_weights:
         data = 2 * parameters * w + trainable * g
         return StepTraffic({"world": 3 * units}, {"intra": data * intra_share, "inter": data * inter_share}, 0.0,
                            trainable / world)
-    if name == "zeropp":
-        forward = parameters * _INT8
-        sent = {"intra": forward * intra_share + parameters * w * (d - 1) / d + trainable * _INT4 * (d - 1) / d,
-                "inter": forward * inter_share + trainable * _INT4 * (n - 1) / world}
-        return StepTraffic({"world": units, "intra": 2 * units, "inter": units}, sent,
-                           parameters * 2.0 + trainable * 2.0, trainable / world)
-    node_data = 2 * parameters * w + trainable * g
-    intra = node_data * (d - 1) / d
-    if name == "hybrid":
-        return StepTraffic({"intra": 3 * units, "inter": units},
-                           {"intra": intra, "inter": 2 * trainable * g * (n - 1) / world}, 0.0, trainable / d)
-    inter = 2 * trainable * _INT4 * (n - 1) / world
-    return StepTraffic({"intra": 3 * units, "inter": 2 * units}, {"intra": intra, "inter": inter},
-                       3.0 * trainable / d, trainable / d)
+    # ZeRO++: the forward gathers quantized weights over the world, hpZ's backward gathers over the node, qgZ's two
+    # hops send the gradient inside the node, then its 1/node_size across
+    forward = parameters * _QUANTIZED[config.weight_bits]
+    intra_bits = config.gradient_intra_bits or config.gradient_bits
+    sent = {"intra": forward * intra_share + parameters * w * (d - 1) / d
+            + trainable * _QUANTIZED[intra_bits] * (d - 1) / d,
+            "inter": forward * inter_share + trainable * _QUANTIZED[config.gradient_bits] * (n - 1) / world}
+    return StepTraffic({"world": units, "intra": 2 * units, "inter": units}, sent,
+                       parameters * 2.0 + trainable * 2.0, trainable / world)
+
+
+def pick(predicted: dict[str, float]) -> str:
+    """The candidate to take, given the predicted step times of those that fit: the fastest, unless it is not
+    ``MARGIN`` faster than ZeRO-3 (the model's error where communication hides behind compute); then its INT8 variant
+    if that is predicted at most ``WIDEN_MARGIN`` slower."""
+    best = min(predicted, key=predicted.get)
+    if predicted[best] > (1 - MARGIN) * predicted["zero3"]:
+        return "zero3"
+    wider = WIDER.get(best)
+    if wider in predicted and predicted[wider] <= (1 + WIDEN_MARGIN) * predicted[best]:
+        return wider
+    return best
 
 
 def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
@@ -185,7 +217,7 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
     keep = {f: getattr(config, f) for f in AUTO_KEEPS}
 
     def resolved(name: str) -> ZeroPPConfig:
-        return ZeroPPConfig.from_dict({**PRESETS[name], **keep})
+        return ZeroPPConfig.from_dict({**CANDIDATES[name], **keep})
 
     if topology.nodes == 1:
         return resolved("zero3"), "auto: zero3 (a single node: no link between nodes to save bytes on)"
@@ -195,14 +227,14 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fits = hybrid_fits(model, topology, device)[0]
-    predicted = {name: links.seconds(step_traffic(name, config, topology, parameters, trainable, units))
+    predicted = {name: links.seconds(step_traffic(resolved(name), topology, parameters, trainable, units))
                  for name in CANDIDATES if fits or not name.startswith("hybrid")}
-    best = min(predicted, key=predicted.get)
-    if predicted[best] > (1 - MARGIN) * predicted["zero3"]:
-        best = "zero3"
-    choice = torch.tensor([CANDIDATES.index(best)], device=device)
+    names = list(CANDIDATES)
+    choice = torch.tensor([names.index(pick(predicted))], device=device)
     dist.broadcast(choice, src=0)  # identical numbers on every rank; rank 0's word is final all the same
-    best = CANDIDATES[int(choice)]
+    best = names[int(choice)]
+    widened = "".join(f"; gradients widened to INT8: predicted within {WIDEN_MARGIN:.0%} of {narrow}"
+                      for narrow, wide in WIDER.items() if wide == best)
     alternatives = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in sorted(predicted.items(),
                                                                                          key=lambda kv: kv[1]))
     return resolved(best), (
@@ -211,4 +243,4 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
         f"inter-node {links.inter_rate / 1e6:.0f} MB/s + {links.inter_latency * 1e3:.2f} ms per call; with every "
         f"rank at work, {links.quantize_seconds_per_element * 1e9:.1f} ns per element to quantize and dequantize, "
         f"{links.update_seconds_per_element * 1e9:.1f} ns per parameter for an AdamW step"
-        + ("" if fits else "; hybrid left out: the states do not fit a node") + ")")
+        + widened + ("" if fits else "; hybrid left out: the states do not fit a node") + ")")

@@ -109,7 +109,7 @@ class ZeroPPConfig:
         "world", HYBRID, '`"node"`: parameters, gradients and optimizer states sharded over the ranks of each node and '
                          'replicated across nodes (HSDP, MiCS): no weights cross nodes, only one gradient all-reduce '
                          'per step; `"world"`: over all ranks (ZeRO); `"auto"` (preset auto): probe the links at '
-                         'start and choose zero3, zeropp, hybrid or hybrid-q')
+                         'start and choose zero3, zeropp, hybrid or hybrid-q, and INT4 or INT8 gradients')
     hybrid_gradient_bits: Literal[8, 4] | None = _option(
         None, HYBRID, "block-quantize the cross-node gradient all-reduce to this width (a reduce-scatter and an "
                       "all-gather among the ranks of equal local index, overlapping the rest of the backward); "

@@ -167,7 +167,8 @@ def describe(config: ZeroPPConfig, topology: Topology, load_in_slices: bool = Fa
         bits = config.hybrid_gradient_bits
         techniques.append(f"hybrid (sharded in the node; cross-node all-reduce {f'int{bits}' if bits else 'full'})")
     if config.shard_group == "auto":
-        techniques.append("auto (zero3, zeropp, hybrid or hybrid-q, chosen when sharding starts)")
+        techniques.append("auto (zero3, zeropp, hybrid or hybrid-q, INT4 or INT8 gradients, chosen when sharding "
+                          "starts)")
     if config.mixed_precision != "no":
         techniques.append(config.mixed_precision)
     return (f"hf_zeropp launch: accelerate.Accelerator, transformers.Trainer (TRL's trainers too) and "

@@ -26,6 +26,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # sharded inside the node, replicated across nodes: no weights cross nodes, one gradient all-reduce per step
     "hybrid": {"stage": 3, "shard_group": "node"},
     "hybrid-q": {"stage": 3, "shard_group": "node", "hybrid_gradient_bits": 4},
-    # one of zero3, zeropp, hybrid, hybrid-q, chosen when sharding starts from a probe of the links (hf_zeropp.auto)
+    # one of zero3, zeropp, hybrid, hybrid-q (their gradients INT4 or INT8), chosen when sharding starts from a probe
+    # of the links (hf_zeropp.auto)
     "auto": {"stage": 3, "shard_group": "auto"},
 }

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_zeropp import ZeroPPConfig
-from hf_zeropp.auto import CANDIDATES, Links, step_traffic
+from hf_zeropp.auto import CANDIDATES, MARGIN, WIDEN_MARGIN, Links, pick, step_traffic
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.topology import Topology
 
@@ -16,31 +16,54 @@ SLOW = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-3, inter_rate=
 # as fast across nodes as inside: quantizing costs, and so does hybrid's larger optimizer step
 FAST = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-4, inter_rate=5e9,
              quantize_seconds_per_element=2e-9, update_seconds_per_element=2e-9)
+# fast enough across nodes that hybrid-q's INT8 gradient is predicted within 5 % of its INT4 one
+WIDE = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-5, inter_rate=3e8,
+             quantize_seconds_per_element=1e-9, update_seconds_per_element=1e-9)
 
 
 def test_step_traffic_counts_what_the_meter_counts():
     """Bytes per rank and step at 2 nodes x 4, 1M parameters in fp32 (the meter's accounting: a world collective
     sends 1/world of its buffer to each peer; hpZ and hybrid gather over the node; qgZ's second hop and the hybrid
     all-reduce send (nodes - 1) / world of the gradient)."""
-    config = ZeroPPConfig.preset("zero3")
     topology = Topology.from_config(ZeroPPConfig(node_size=4), 8)
     p = 1_000_000
-    zero3 = step_traffic("zero3", config, topology, p, p, units=3)
+
+    def traffic(name: str):
+        return step_traffic(ZeroPPConfig.from_dict(CANDIDATES[name]), topology, p, p, units=3)
+
+    zero3 = traffic("zero3")
     assert zero3.calls == {"world": 9} and zero3.quantized == 0
     assert zero3.sent == pytest.approx({"intra": 12e6 * 3 / 8, "inter": 12e6 * 4 / 8})
     int8, int4 = 1 + 4 / 256, 0.5 + 4 / 256
-    sent = step_traffic("zeropp", config, topology, p, p, units=3).sent
+    sent = traffic("zeropp").sent
     assert sent["inter"] == pytest.approx(p * int8 * 4 / 8 + p * int4 / 8)
     assert sent["intra"] == pytest.approx(p * int8 * 3 / 8 + 4e6 * 3 / 4 + p * int4 * 3 / 4)
-    hybrid = step_traffic("hybrid", config, topology, p, p, units=3)
+    # INT8 gradients: both qgZ hops carry twice the gradient's bytes, the weights' stay
+    sent = traffic("zeropp int8 gradients").sent
+    assert sent["inter"] == pytest.approx(p * int8 * 4 / 8 + p * int8 / 8)
+    assert sent["intra"] == pytest.approx(p * int8 * 3 / 8 + 4e6 * 3 / 4 + p * int8 * 3 / 4)
+    hybrid = traffic("hybrid")
     assert hybrid.sent == pytest.approx({"intra": 12e6 * 3 / 4, "inter": 2 * 4e6 / 8})
-    hybrid_q = step_traffic("hybrid-q", config, topology, p, p, units=3)
+    hybrid_q = traffic("hybrid-q")
     assert hybrid_q.sent["inter"] == pytest.approx(2 * p * int4 / 8) and hybrid_q.quantized == pytest.approx(3 * p / 4)
+    assert traffic("hybrid-q int8").sent["inter"] == pytest.approx(2 * p * int8 / 8)
     # the optimizer step: ZeRO's over 1/world of the parameters, hybrid's over the node's share
     assert zero3.updated == p / 8 and hybrid.updated == hybrid_q.updated == p / 4
     # the ordering the issue's arithmetic gives: hybrid-q sends the fewest bytes across nodes, then ZeRO++
-    inter = {name: step_traffic(name, config, topology, p, p, 3).sent["inter"] for name in CANDIDATES}
-    assert inter["hybrid-q"] < inter["zeropp"] < inter["hybrid"] < inter["zero3"]
+    inter = {name: traffic(name).sent["inter"] for name in CANDIDATES}
+    assert inter["hybrid-q"] < inter["hybrid-q int8"] < inter["zeropp"] < inter["hybrid"] < inter["zero3"]
+
+
+def test_pick_keeps_zero3_within_the_margin_and_widens_only_a_near_tie():
+    times = {"zero3": 1.0, "zeropp": 0.5, "zeropp int8 gradients": 0.6, "hybrid": 0.9, "hybrid-q": 0.4,
+             "hybrid-q int8": 0.4 * (1 + WIDEN_MARGIN)}
+    assert pick(times) == "hybrid-q int8"
+    assert pick({**times, "hybrid-q int8": 0.4 * (1 + WIDEN_MARGIN) + 1e-6}) == "hybrid-q"
+    fastest = {"zero3": 1.0, "zeropp": 1 - MARGIN + 1e-6, "zeropp int8 gradients": 1.0}
+    assert pick(fastest) == "zero3", "a candidate less than MARGIN faster does not displace ZeRO-3"
+    assert pick({**fastest, "zeropp": 0.5, "zeropp int8 gradients": 0.52}) == "zeropp int8 gradients"
+    # hybrid left out (does not fit): the INT8 variant of a candidate that is not there is not taken
+    assert pick({"zero3": 1.0, "zeropp": 0.5, "zeropp int8 gradients": 0.9}) == "zeropp"
 
 
 def _choose_with(links: Links | None, free_bytes: float | None, node_size: int):
@@ -68,21 +91,23 @@ def _choose_with(links: Links | None, free_bytes: float | None, node_size: int):
             "note": comm_stats(model)["implementations"].get("auto"), "losses": losses}
 
 
-def _preset_losses(preset: str, node_size: int):
+def _preset_losses(preset: str, node_size: int, **overrides):
     import torch.distributed as dist
 
     from hf_zeropp import shard_model
     from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
 
-    model = shard_model(tiny_gpt2(seed=0), ZeroPPConfig.preset(preset, node_size=node_size))
+    model = shard_model(tiny_gpt2(seed=0), ZeroPPConfig.preset(preset, node_size=node_size, **overrides))
     return train(model, make_optimizer(model), range(3), size=4 * dist.get_world_size())
 
 
 def _auto_launch():
     return {"slow": _choose_with(SLOW, None, 2), "slow_no_room": _choose_with(SLOW, 1.0, 2),
-            "fast": _choose_with(FAST, None, 2), "measured": _choose_with(None, None, 2),
+            "fast": _choose_with(FAST, None, 2), "wide": _choose_with(WIDE, None, 2),
+            "measured": _choose_with(None, None, 2),
             "one_node": _choose_with(None, None, 4),
             "hybrid-q": _preset_losses("hybrid-q", 2), "zeropp": _preset_losses("zeropp", 2),
+            "hybrid-q int8": _preset_losses("hybrid-q", 2, hybrid_gradient_bits=8),
             "zero3": _preset_losses("zero3", 2)}
 
 
@@ -100,6 +125,15 @@ def test_auto_picks_hybrid_q_on_a_slow_link_and_zeropp_without_room_for_hybrid(a
     assert no_room["shard_group"] == "world" and no_room["quantized_weights"] and no_room["quantized_gradients"]
     assert "hybrid left out: the states do not fit a node" in no_room["note"][0]
     assert no_room["losses"] == auto_runs[0]["zeropp"]
+
+
+def test_auto_widens_hybrid_q_to_int8_gradients_on_a_link_where_they_cost_little(auto_runs):
+    wide = auto_runs[0]["wide"]
+    assert (wide["shard_group"], wide["hybrid_gradient_bits"]) == ("node", 8)
+    assert wide["note"][0].startswith("auto: hybrid-q int8 (")
+    assert "gradients widened to INT8: predicted within 5% of hybrid-q" in wide["note"][0]
+    assert wide["losses"] == auto_runs[0]["hybrid-q int8"], "auto trains exactly as hybrid-q with INT8 gradients"
+    assert wide["losses"] != auto_runs[0]["hybrid-q"]
 
 
 def test_auto_keeps_zero3_when_links_are_fast_and_on_one_node(auto_runs):
