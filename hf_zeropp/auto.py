@@ -12,8 +12,8 @@ collective calls, the kernel time of its quantization, and its optimizer step, w
 1/(ranks per node) of the model where ZeRO runs it on 1/world. The forward and backward compute is the same for
 every candidate, so it drops out of the comparison. ZeRO-3 is kept unless another candidate is predicted at least
 ``MARGIN`` faster; hybrid is a candidate only when the model's states divided by the ranks of a node fit the memory
-free per rank. A quantized choice then gets INT8 gradients instead of INT4 when those are predicted at most
-``WIDEN_MARGIN`` slower: on a link fast enough for that, accuracy is cheap.
+free per rank. A quantized choice then gets INT8 gradients instead of INT4 unless INT4 is predicted ``MARGIN``
+faster: on a link fast enough for that, accuracy is cheap.
 """
 
 from __future__ import annotations
@@ -44,12 +44,11 @@ CANDIDATES: dict[str, dict] = {
     "hybrid-q": PRESETS["hybrid-q"],
     "hybrid-q int8": {**PRESETS["hybrid-q"], "hybrid_gradient_bits": 8},
 }
-# the INT8 variant replaces the fastest candidate when predicted at most WIDEN_MARGIN slower
-WIDER = {"zeropp": "zeropp int8 gradients", "hybrid-q": "hybrid-q int8"}
-WIDEN_MARGIN = 0.05
-# ZeRO-3 gives way only to a candidate predicted at least 10 % faster: the model sees no overlap of communication
-# with compute, and on fast links, where every candidate's communication hides behind compute, its predictions
-# were measured 10-20 % off (docs/results/2026-11-27-hybrid-sharding.md)
+WIDER = {"zeropp": "zeropp int8 gradients", "hybrid-q": "hybrid-q int8"}  # each quantized preset's INT8 variant
+# A more accurate candidate gives way only to one predicted at least 10 % faster (ZeRO-3 to a quantized or hybrid
+# one, INT8 gradients to INT4): the model sees no overlap of communication with compute, and on fast links, where
+# every candidate's communication hides behind compute, its predictions were measured 10-20 % off
+# (docs/results/2026-11-27-hybrid-sharding.md)
 MARGIN = 0.10
 PROBE_ENV = "ZEROPP_AUTO_PROBE"  # "0" turns the probe off: auto then keeps ZeRO-3 and says why
 # bytes each rank sends to each peer: the latency's message, the first and the largest rate message; the rate
@@ -200,13 +199,13 @@ def step_traffic(config: ZeroPPConfig, topology: Topology, parameters: int, trai
 
 def pick(predicted: dict[str, float]) -> str:
     """The candidate to take, given the predicted step times of those that fit: the fastest, unless it is not
-    ``MARGIN`` faster than ZeRO-3 (the model's error where communication hides behind compute); then its INT8 variant
-    if that is predicted at most ``WIDEN_MARGIN`` slower."""
+    ``MARGIN`` faster than ZeRO-3 (the model's error where communication hides behind compute); and a quantized one
+    with INT8 gradients unless INT4 is predicted ``MARGIN`` faster than that."""
     best = min(predicted, key=predicted.get)
     if predicted[best] > (1 - MARGIN) * predicted["zero3"]:
         return "zero3"
     wider = WIDER.get(best)
-    if wider in predicted and predicted[wider] <= (1 + WIDEN_MARGIN) * predicted[best]:
+    if wider in predicted and predicted[best] > (1 - MARGIN) * predicted[wider]:
         return wider
     return best
 
@@ -233,7 +232,7 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
     choice = torch.tensor([names.index(pick(predicted))], device=device)
     dist.broadcast(choice, src=0)  # identical numbers on every rank; rank 0's word is final all the same
     best = names[int(choice)]
-    widened = "".join(f"; gradients widened to INT8: predicted within {WIDEN_MARGIN:.0%} of {narrow}"
+    widened = "".join(f"; INT8 gradients: {narrow} is predicted less than {MARGIN:.0%} faster"
                       for narrow, wide in WIDER.items() if wide == best)
     alternatives = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in sorted(predicted.items(),
                                                                                          key=lambda kv: kv[1]))

@@ -24,6 +24,9 @@ ON_REQUEST: dict[str, dict] = {
     "ZeRO-2": {"stage": 2},  # weights kept gathered from forward to backward: what DeepSpeed's defaults do here
     # what all-reducing the 1-D parameters in fp32 beside hybrid-q's INT4 blocks costs
     "hybrid-q 1-D quantized": {"preset": "hybrid-q", "gradient_full_precision_1d": False},
+    # the INT8 variants auto may widen a quantized choice to
+    "ZeRO++ int8 gradients": {"preset": "zeropp", "gradient_bits": 8},
+    "hybrid-q int8": {"preset": "hybrid-q", "hybrid_gradient_bits": 8},
 }
 DEEPSPEED: dict[str, dict] = {
     "DeepSpeed ZeRO-3": {"stage": 3},  # its defaults keep up to 1e9 gathered parameters live between uses
