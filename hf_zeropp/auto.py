@@ -34,7 +34,7 @@ from .presets import PRESETS
 from .topology import Topology
 
 # What auto chooses among, by the name it reports: the presets, and the quantized ones with the gradient widened to
-# INT8 (chosen where the link makes the extra bytes cheap: 16x finer steps for twice the gradient's bytes). It never
+# INT8 (chosen where the link makes the extra bytes cheap: 18x finer steps for twice the gradient's bytes). It never
 # narrows a width below its preset's (INT4 weights, say): that would trade accuracy the user did not ask for.
 CANDIDATES: dict[str, dict] = {
     "zero3": PRESETS["zero3"],
