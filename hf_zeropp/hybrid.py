@@ -21,6 +21,13 @@ rank: collectives on one group must keep one order). Once the backward
 has finished (an autograd final callback, before clipping and the optimizer step) every unit is completed and its
 gradients are set to the cross-node mean, each value divided by the world size once.
 
+An untied input embedding is a unit of its own whose gradient is complete last, at the backward's end, with no
+compute left to overlap its all-reduce; it holds only the rows the batch looked up. The ranks of an inter-node group
+agree on the rows that hold a gradient on some node (a one-byte-per-row all-reduce) and send those rows only. Nothing
+relies on the batch's tokens: any other use of the weight (a penalty on it in the loss) makes rows hold a gradient
+and so be sent, and when most rows hold one the unit is sent whole. A tied embedding also holds the output head's
+dense gradient, so it is sent whole.
+
 With ``gradient_error_feedback`` each hop's quantization error is carried into the same hop of the unit's next
 reduction (:class:`~hf_zeropp.qgz_payload.ErrorFeedback`): hop 1's residual is this rank's node partial sum's (the
 chunk it keeps is exact and carries none), hop 2's is the owner's requantized sum's. Every replica still dequantizes
@@ -59,7 +66,8 @@ class _Unit:
     rows: torch.Tensor  # the partial sum in fp32, zero-padded, one row per node
     feedback: ErrorFeedback | None  # the unit's residuals (gradient_error_feedback)
     vectors: torch.Tensor | None  # positions of the 1-D parameters in the partial sum, reduced in fp32 on their own
-    vector_sum: torch.Tensor | None = None
+    vector_sum: torch.Tensor | None
+    sent: torch.Tensor | None  # the positions in the blocks, when not all (input-embedding rows with no gradient)
     vector_work: dist.Work | None = None
     hop1: dist.Work | None = None
     arrived: torch.Tensor | None = None
@@ -92,6 +100,7 @@ class QuantizedCrossNodeAllReduce:
         self.calls = 0
         self.pending: list[_Unit] = []
         self.finish_queued = False
+        self.embedding: nn.Parameter | None = None  # an untied input embedding's weight (send_embedding_rows)
 
     def hook_for(self, module: nn.Module):
         index = len(self.vector_slices)
@@ -118,9 +127,9 @@ class QuantizedCrossNodeAllReduce:
             self.meter.note("hybrid_synchronous", "a unit whose gradient layout was not the expected one")
             reduce_output.copy_(self.reduce(reduce_output, index, vectors))
             return
-        unit = self._unit(reduce_output, index, spans, vectors)
-        self._send_chunks(unit)
+        unit = self._unit(reduce_output, index, spans, vectors, self._rows_to_send(reduce_output, spans, vectors))
         unit.accumulated = [None if p.grad is None else local_tensor(p.grad).clone() for p, _, _ in spans]
+        self._send_chunks(unit)
         if self.pending and self.pending[-1].hop2 is None:
             # the unit before this one had its backward's worth of compute to arrive; every rank advances the same
             # unit at the same point, so the group's collectives keep one order on all of them
@@ -129,6 +138,44 @@ class QuantizedCrossNodeAllReduce:
         if not self.finish_queued:
             queue_backward_callback(self.finish)
             self.finish_queued = True
+
+    # ---------------------------------------------------------------- untied input embeddings
+
+    def send_embedding_rows(self, embeddings: nn.Module | None, head: nn.Module | None) -> None:
+        """Send only the rows of the input embedding's gradient that hold a gradient (module docstring), unless the
+        output ``head`` shares its weight. Call once the modules are sharded."""
+        weight = getattr(embeddings, "weight", None)
+        if (not isinstance(weight, nn.Parameter) or weight.dim() != 2 or not weight.requires_grad
+                or getattr(head, "weight", None) is weight):
+            return
+        if self.new_feedback is not None:
+            self.meter.note("hybrid_embedding_rows", "the input embedding's gradient crosses nodes whole: error "
+                            "feedback keeps a residual for every position")
+            return
+        self.embedding = weight
+
+    def _rows_to_send(self, partial: torch.Tensor, spans: list[tuple[nn.Parameter, int, int]],
+                      vectors: torch.Tensor | None) -> torch.Tensor | None:
+        """Positions of this unit's partial sum to quantize and send, when it holds the input embedding and most of
+        the embedding's rows hold no gradient on any node (the same on every rank of the inter-node group)."""
+        span = next(((start, length) for param, start, length in spans if param is self.embedding), None)
+        if span is None:
+            return None
+        start, length = span
+        rows = partial[start:start + length].view(-1, self.embedding.shape[1])
+        touched = rows.ne(0).any(dim=1).to(torch.uint8)
+        dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=self.group)
+        self.meter.record_allreduce(self.group, nbytes(touched), "which input-embedding rows hold a gradient on "
+                                    "some node, one byte per row", kind="hybrid_row_mask")
+        if 2 * int(touched.sum()) > touched.numel():
+            self.meter.note("hybrid_embedding_rows", "the input embedding's gradient crossed nodes whole: most of its "
+                            "rows hold a gradient")
+            return None
+        send = torch.ones(partial.numel(), dtype=torch.bool, device=partial.device)
+        send[start:start + length].view_as(rows)[touched == 0] = False
+        if vectors is not None:
+            send[vectors] = False
+        return send.nonzero().view(-1)
 
     def reduce(self, partial: torch.Tensor, unit: int = 0, vectors: torch.Tensor | None = None) -> torch.Tensor:
         """This node's partial sum of the gradient of unit ``unit`` (whose error-feedback residuals apply) to the
@@ -147,19 +194,28 @@ class QuantizedCrossNodeAllReduce:
             feedback.reset()
 
     def _unit(self, reduce_output: torch.Tensor, index: int, spans: list[tuple[nn.Parameter, int, int]],
-              vectors: torch.Tensor | None) -> _Unit:
+              vectors: torch.Tensor | None, sent: torch.Tensor | None = None) -> _Unit:
         topo, numel = self.topology, reduce_output.numel()
-        chunk = -(-numel // (topo.nodes * self.block_size)) * self.block_size
-        rows = reduce_output.new_zeros(topo.nodes, chunk, dtype=torch.float32)
-        rows.view(-1)[:numel] = reduce_output.detach()
         vectors = vectors if vectors is not None and vectors.numel() else None
+        values = reduce_output.detach() if sent is None else reduce_output.detach()[sent]
+        # at least one block: a rank whose shard of an embedding unit holds no row with a gradient still takes part
+        chunk = max(1, -(-values.numel() // (topo.nodes * self.block_size))) * self.block_size
+        rows = reduce_output.new_zeros(topo.nodes, chunk, dtype=torch.float32)
+        rows.view(-1)[:values.numel()] = values
+        vector_sum = None
+        if vectors is not None:
+            # biases and norm gains would share blocks with values of another magnitude and lose their precision;
+            # zeros quantize exactly and leave the scales to the matrices (``sent`` leaves them out already)
+            vector_sum = reduce_output.detach()[vectors].float()
+            if sent is None:
+                rows.view(-1)[vectors] = 0
         feedback = None
         if self.new_feedback is not None:
             feedback = self.unit_feedback.get(index)
             if feedback is None:
                 feedback = self.unit_feedback[index] = self.new_feedback()
             feedback.start_reduction()
-        return _Unit(numel, spans, [], rows, feedback, vectors)
+        return _Unit(numel, spans, [], rows, feedback, vectors, vector_sum, sent)
 
     # ---------------------------------------------------------------- the two hops
 
@@ -193,11 +249,6 @@ class QuantizedCrossNodeAllReduce:
     def _send_chunks(self, unit: _Unit) -> None:
         """Hop 1: chunk ``m`` of this node's partial sum, quantized, to the rank of my local index on node ``m``."""
         if unit.vectors is not None:
-            # biases and norm gains would share blocks with values of another magnitude and lose their precision;
-            # zeros quantize exactly and leave the scales to the matrices
-            flat = unit.rows.view(-1)
-            unit.vector_sum = flat[unit.vectors]
-            flat[unit.vectors] = 0
             unit.vector_work = dist.all_reduce(unit.vector_sum, group=self.group, async_op=True)
             self.meter.record_allreduce(self.group, nbytes(unit.vector_sum), "hybrid cross-node all-reduce of the "
                                         "1-D parameters, fp32", kind="hybrid_1d_full_precision")
@@ -231,7 +282,11 @@ class QuantizedCrossNodeAllReduce:
         codes, scales = self._unpack(unit.gathered, length)
         summed = kernels.dequant_reduce(codes[None], scales[None], bits=self.bits, block_size=self.block_size,
                                         length=length, scale=scale, hadamard=self.hadamard, backend=self.backend)
-        result = summed.view(-1)[:unit.numel]
+        if unit.sent is None:
+            result = summed.view(-1)[:unit.numel]
+        else:
+            result = summed.new_zeros(unit.numel)
+            result[unit.sent] = summed.view(-1)[:unit.sent.numel()]
         if unit.vectors is not None:
             unit.vector_work.wait()
             result[unit.vectors] = unit.vector_sum * scale
@@ -280,14 +335,16 @@ class QuantizedCrossNodeAllReduce:
                 + (f", Hadamard {self.hadamard}" if self.hadamard else "")
                 + (", stochastic rounding" if self.stochastic else "")
                 + (", 1-D parameters in full precision" if self.full_precision_1d else "")
-                + (f", {self.new_feedback().describe()} on both hops" if self.new_feedback is not None else ""))
+                + (f", {self.new_feedback().describe()} on both hops" if self.new_feedback is not None else "")
+                + (", input-embedding rows that hold a gradient" if self.embedding is not None else ""))
 
 
-def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, topology: Topology,
-                              meter: CommMeter) -> QuantizedCrossNodeAllReduce | None:
+def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, topology: Topology, meter: CommMeter,
+                              embeddings: nn.Module | None = None,
+                              head: nn.Module | None = None) -> QuantizedCrossNodeAllReduce | None:
     """Give FSDP's cross-node all-reduce of every unit to the meter (full precision: FSDP2's HSDP all-reduce) or
-    to :class:`QuantizedCrossNodeAllReduce`, which also sets the divide factor so each value is averaged once;
-    returns the latter, if installed."""
+    to :class:`QuantizedCrossNodeAllReduce`, which also sets the divide factor so each value is averaged once and
+    sends the rows of an untied input ``embeddings``' gradient that hold one only; returns the latter, if installed."""
     if config.hybrid_gradient_bits is None or topology.nodes == 1:
         group = topology.inter_node_group
 
@@ -301,6 +358,7 @@ def install_hybrid_all_reduce(modules: list[nn.Module], config: ZeroPPConfig, to
     for module in modules:
         module.set_all_reduce_hook(all_reduce.hook_for(module))
         module.set_gradient_divide_factor(float(topology.world_size))
+    all_reduce.send_embedding_rows(embeddings, head)
     return all_reduce
 
 

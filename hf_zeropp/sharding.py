@@ -277,7 +277,8 @@ def _install_comms(model: nn.Module, state: ZeroPPState) -> None:
         state.reduce_scatters.append(reduce_scatter)
     if state.config.shard_group == "node" and state.topology.nodes > 1:
         state.cross_node_all_reduce = install_hybrid_all_reduce(fsdp_modules(model), state.config, state.topology,
-                                                                state.meter)
+                                                                state.meter, _call(model, "get_input_embeddings"),
+                                                                _call(model, "get_output_embeddings"))
 
 
 def _allreduce_meter(meter: CommMeter, topology: Topology):

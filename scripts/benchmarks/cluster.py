@@ -94,6 +94,7 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-per-rank", type=int, default=1)
+    parser.add_argument("--untied", action="store_true", help="an output head of its own (tie_word_embeddings=False)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=2)

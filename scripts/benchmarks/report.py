@@ -17,7 +17,8 @@ def markdown(summary: dict, args) -> str:
     """results.md."""
     first = next(iter(summary["links"].values()))
     lines = [
-        f"GPT-2 from config: n_embd {args.n_embd}, {args.n_layer} layers, {args.n_head} heads, vocab {args.vocab}, "
+        f"GPT-2 from config: n_embd {args.n_embd}, {args.n_layer} layers, {args.n_head} heads, vocab {args.vocab}"
+        f"{' (untied output head)' if args.untied else ''}, "
         f"{first['params'] / 1e6:.2f}M parameters; {args.batch_per_rank} x {args.seq_len} tokens per rank, "
         f"{first['tokens_per_step']} tokens per step; {args.nodes} emulated nodes x {args.nproc_per_node} ranks "
         f"(gloo), {args.precision} weights and gradient reduction. Median step time over "

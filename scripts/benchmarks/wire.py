@@ -15,7 +15,7 @@ from hf_zeropp.comm_meter import gloo_reduce_scatter_as_all_to_all
 
 KINDS = ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter", "grad_allreduce", "qgz_intra", "qgz_inter",
          "qgz_1d_full_precision", "torch_reduce_scatter", "hybrid_allreduce", "hybrid_reduce_scatter",
-         "hybrid_all_gather", "hybrid_1d_full_precision")
+         "hybrid_all_gather", "hybrid_1d_full_precision", "hybrid_row_mask")
 HEADER_BYTES = 66
 
 
@@ -40,6 +40,7 @@ def wire_factors(world: int, node_size: int) -> dict[str, float]:
         "hybrid_reduce_scatter": 1.0,
         "hybrid_all_gather": 1.0,
         "hybrid_1d_full_precision": 1.0,
+        "hybrid_row_mask": 1.0,
     }
 
 

@@ -88,7 +88,8 @@ def _build(name: str, options: dict | None, args, node_size: int):
     each other's kernels."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=args.vocab, n_positions=args.seq_len, n_embd=args.n_embd,
-                                       n_layer=args.n_layer, n_head=args.n_head, bos_token_id=0, eos_token_id=0))
+                                       n_layer=args.n_layer, n_head=args.n_head, bos_token_id=0, eos_token_id=0,
+                                       tie_word_embeddings=not args.untied))
     params = sum(p.numel() for p in model.parameters())
     backend = None
     if name in DEEPSPEED:
