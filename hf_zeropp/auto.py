@@ -13,7 +13,8 @@ collective calls, the kernel time of its quantization, and its optimizer step, w
 every candidate, so it drops out of the comparison. ZeRO-3 is kept unless another candidate is predicted at least
 ``MARGIN`` faster; hybrid is a candidate only when the model's states divided by the ranks of a node fit the memory
 free per rank. A quantized choice then gets INT8 gradients instead of INT4 unless INT4 is predicted ``MARGIN``
-faster: on a link fast enough for that, accuracy is cheap.
+faster: on a link fast enough for that, accuracy is cheap. Where the candidate has a sibling with the gradient in
+full precision (hybrid-q's is hybrid) that is predicted no slower than the INT8 one, it gets that.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ CANDIDATES: dict[str, dict] = {
     "hybrid-q int8": {**PRESETS["hybrid-q"], "hybrid_gradient_bits": 8},
 }
 WIDER = {"zeropp": "zeropp int8 gradients", "hybrid-q": "hybrid-q int8"}  # each quantized preset's INT8 variant
+# an INT8 variant's sibling with the gradient in full precision: taken instead of it where predicted no slower
+FULL_PRECISION = {"hybrid-q int8": "hybrid"}
 # A more accurate candidate gives way only to one predicted at least 10 % faster (ZeRO-3 to a quantized or hybrid
 # one, INT8 gradients to INT4): the model sees no overlap of communication with compute, and on fast links, where
 # every candidate's communication hides behind compute, its predictions were measured 10-20 % off
@@ -200,14 +203,16 @@ def step_traffic(config: ZeroPPConfig, topology: Topology, parameters: int, trai
 def pick(predicted: dict[str, float]) -> str:
     """The candidate to take, given the predicted step times of those that fit: the fastest, unless it is not
     ``MARGIN`` faster than ZeRO-3 (the model's error where communication hides behind compute); and a quantized one
-    with INT8 gradients unless INT4 is predicted ``MARGIN`` faster than that."""
+    with INT8 gradients unless INT4 is predicted ``MARGIN`` faster than that, or in full precision where that is
+    predicted no slower than INT8."""
     best = min(predicted, key=predicted.get)
     if predicted[best] > (1 - MARGIN) * predicted["zero3"]:
         return "zero3"
     wider = WIDER.get(best)
-    if wider in predicted and predicted[best] > (1 - MARGIN) * predicted[wider]:
-        return wider
-    return best
+    if wider not in predicted or predicted[best] <= (1 - MARGIN) * predicted[wider]:
+        return best
+    full = FULL_PRECISION.get(wider)
+    return full if full in predicted and predicted[full] <= predicted[wider] else wider
 
 
 def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
@@ -234,6 +239,9 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
     best = names[int(choice)]
     widened = "".join(f"; INT8 gradients: {narrow} is predicted less than {MARGIN:.0%} faster"
                       for narrow, wide in WIDER.items() if wide == best)
+    widened += "".join(f"; full-precision gradients: {narrow} is predicted less than {MARGIN:.0%} faster than "
+                       f"{wide}, and {best} no slower than that" for narrow, wide in WIDER.items()
+                       if FULL_PRECISION.get(wide) == best and min(predicted, key=predicted.get) == narrow)
     alternatives = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in sorted(predicted.items(),
                                                                                          key=lambda kv: kv[1]))
     return resolved(best), (

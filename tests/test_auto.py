@@ -19,6 +19,9 @@ FAST = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-4, inter_rate=
 # fast enough across nodes that hybrid-q's INT4 gradient is predicted less than 10 % faster than INT8
 WIDE = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-5, inter_rate=3e8,
              quantize_seconds_per_element=1e-9, update_seconds_per_element=1e-9)
+# the same link as WIDE with dearer quantizing: hybrid-q is the fastest, but hybrid is predicted no slower than INT8
+FULL = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-5, inter_rate=3e8,
+             quantize_seconds_per_element=3e-9, update_seconds_per_element=1e-9)
 
 
 def test_step_traffic_counts_what_the_meter_counts():
@@ -59,6 +62,9 @@ def test_pick_prefers_the_more_accurate_candidate_unless_the_other_is_margin_fas
              "hybrid-q int8": 0.5}
     assert pick(times) == "hybrid-q int8", "INT4 0.46 s is not 10 % faster than INT8 0.5 s"
     assert pick({**times, "hybrid-q": 0.44}) == "hybrid-q"
+    # full precision where it is predicted no slower than INT8, and only where INT8 would have been taken
+    assert pick({**times, "hybrid": 0.5}) == "hybrid" and pick({**times, "hybrid": 0.51}) == "hybrid-q int8"
+    assert pick({**times, "hybrid-q": 0.44, "hybrid": 0.45}) == "hybrid-q"
     fastest = {"zero3": 1.0, "zeropp": 1 - MARGIN + 1e-6, "zeropp int8 gradients": 1.0}
     assert pick(fastest) == "zero3", "a candidate less than MARGIN faster does not displace ZeRO-3"
     assert pick({**fastest, "zeropp": 0.5, "zeropp int8 gradients": 0.55}) == "zeropp int8 gradients"
@@ -105,6 +111,7 @@ def _preset_losses(preset: str, node_size: int, **overrides):
 def _auto_launch():
     return {"slow": _choose_with(SLOW, None, 2), "slow_no_room": _choose_with(SLOW, 1.0, 2),
             "fast": _choose_with(FAST, None, 2), "wide": _choose_with(WIDE, None, 2),
+            "full": _choose_with(FULL, None, 2), "hybrid": _preset_losses("hybrid", 2),
             "measured": _choose_with(None, None, 2),
             "one_node": _choose_with(None, None, 4),
             "hybrid-q": _preset_losses("hybrid-q", 2), "zeropp": _preset_losses("zeropp", 2),
@@ -139,6 +146,16 @@ def test_auto_gives_hybrid_q_int8_gradients_on_a_link_where_they_cost_little(aut
     assert "INT8 gradients: hybrid-q is predicted less than 10% faster" in wide["note"][0]
     assert wide["losses"] == auto_runs[0]["hybrid-q int8"], "auto trains exactly as hybrid-q with INT8 gradients"
     assert wide["losses"] != auto_runs[0]["hybrid-q"]
+
+
+def test_auto_gives_full_precision_gradients_where_predicted_no_slower_than_int8(auto_runs):
+    full = auto_runs[0]["full"]
+    assert (full["shard_group"], full["hybrid_gradient_bits"]) == ("node", None)
+    assert full["note"][0].startswith("auto: hybrid (predicted communication, quantization and optimizer step per "
+                                      "step: hybrid-q ")
+    assert ("full-precision gradients: hybrid-q is predicted less than 10% faster than hybrid-q int8, and hybrid no "
+            "slower than that") in full["note"][0]
+    assert full["losses"] == auto_runs[0]["hybrid"] != auto_runs[0]["hybrid-q int8"]
 
 
 def test_auto_keeps_zero3_when_links_are_fast_and_on_one_node(auto_runs):
