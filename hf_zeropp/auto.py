@@ -237,11 +237,13 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
     choice = torch.tensor([names.index(pick(predicted))], device=device)
     dist.broadcast(choice, src=0)  # identical numbers on every rank; rank 0's word is final all the same
     best = names[int(choice)]
-    widened = "".join(f"; INT8 gradients: {narrow} is predicted less than {MARGIN:.0%} faster"
-                      for narrow, wide in WIDER.items() if wide == best)
-    widened += "".join(f"; full-precision gradients: {narrow} is predicted less than {MARGIN:.0%} faster than "
-                       f"{wide}, and {best} no slower than that" for narrow, wide in WIDER.items()
-                       if FULL_PRECISION.get(wide) == best and min(predicted, key=predicted.get) == narrow)
+    fastest = min(predicted, key=predicted.get)
+    widened = ""
+    if best == WIDER.get(fastest):
+        widened = f"; INT8 gradients: {fastest} is predicted less than {MARGIN:.0%} faster"
+    elif best == FULL_PRECISION.get(WIDER.get(fastest)):
+        widened = (f"; full-precision gradients: {fastest} is predicted less than {MARGIN:.0%} faster than "
+                   f"{WIDER[fastest]}, and {best} no slower than that")
     alternatives = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in sorted(predicted.items(),
                                                                                          key=lambda kv: kv[1]))
     return resolved(best), (
