@@ -45,7 +45,7 @@ from torch import nn
 
 from . import kernels
 from ._compat import in_backward, local_tensor, queue_backward_callback
-from .comm_meter import CommMeter, nbytes
+from .comm_meter import CommMeter, all_gather_single, nbytes
 from .config import ZeroPPConfig
 from .layout import VectorSlices, parameter_spans
 from .qgz_payload import BlockQuantizedPayload, ErrorFeedback
@@ -271,7 +271,7 @@ class QuantizedCrossNodeAllReduce:
         if self.meter.track_errors:
             self.meter.record_error("hybrid_all_gather", total, self._dequantize(packed, length))
         unit.gathered = packed.new_empty(self.topology.nodes, packed.shape[1])
-        unit.hop2 = dist.all_gather_into_tensor(unit.gathered, packed, group=self.group, async_op=True)
+        unit.hop2 = all_gather_single(unit.gathered, packed, group=self.group, async_op=True)
         self.meter.record("hybrid_all_gather", self.group, nbytes(packed), self.describe())
 
     def _result(self, unit: _Unit, scale: float = 1.0) -> torch.Tensor:

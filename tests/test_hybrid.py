@@ -7,6 +7,8 @@ bit, every gradient must be the mean over all ranks up to the quantization's err
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,8 +65,12 @@ def _hybrid(preset: str, node_size: int, micro_batches: int, checkpoint_dir: str
     optimizer = make_optimizer(model)
     grads, errors = _first_gradients(model)
     comm_stats(model, reset=True)
-    losses = train(model, optimizer, range(STEPS), micro_batches=micro_batches, size=_batch())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(model, optimizer, range(STEPS), micro_batches=micro_batches, size=_batch())
     result = {"losses": losses, "params": full_parameters(model), "grads": grads, "errors": errors,
+              "deprecations": sorted({str(w.message) for w in caught
+                                      if issubclass(w.category, (FutureWarning, DeprecationWarning))}),
               "local": {name: p.to_local().clone() for name, p in model.named_parameters()},
               "stats": {k: v for k, v in comm_stats(model).items() if k != "quantization_error"}}
     if checkpoint_dir is not None:  # resume: the next step equals the uninterrupted run's
@@ -196,6 +202,14 @@ def test_hybrid_q_resumes_from_a_checkpoint_exactly(runs):
     _, _, results = runs
     following, resumed = results[0]["hybrid-q"]["resume"]
     assert resumed == following
+
+
+def test_hybrid_training_calls_no_deprecated_api(runs):
+    """A user's log shows no deprecation warning from our collectives (torch renames them across versions)."""
+    _, _, results = runs
+    for rank, result in enumerate(results):
+        for preset in ("hybrid", "hybrid-q", "hybrid-q-micro"):
+            assert result[preset]["deprecations"] == [], (rank, preset)
 
 
 def test_bad_hybrid_configurations_are_refused_before_any_collective():

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_zeropp
-from hf_zeropp.comm_meter import reduce_scatter_single
+from hf_zeropp.comm_meter import all_gather_single, reduce_scatter_single
 from hf_zeropp._compat import fsdp_param_groups, group_parameters, group_reshards_after_forward
 
 from . import breakdown
@@ -48,7 +48,7 @@ def _probe(node_size: int, megabytes: float) -> dict:
     }
     x = torch.ones(n)
     ops = {
-        "all_gather (world)": lambda: dist.all_gather_into_tensor(torch.empty(n), x[: n // g]),
+        "all_gather (world)": lambda: all_gather_single(torch.empty(n), x[: n // g], None),
         "reduce_scatter (world)": lambda: dist.reduce_scatter_tensor(torch.empty(n // g), x),
         "reduce_scatter (world, hf_zeropp)": lambda: reduce_scatter_single(torch.empty(n // g), x, None,
                                                                             dist.ReduceOp.SUM, ranks_per_node=d),
