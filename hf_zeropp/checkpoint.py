@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,11 @@ from .hpz import reshard_all
 
 META_FILE = "zeropp_meta.json"
 _RNG_DIR = "rng"
+# options that leave the error-feedback residuals' meaning unchanged: which kernel runs, when a technique switches
+# off, how generation gathers, recomputation. A change of any other option, of the world size or of the node size
+# means a rank's saved residual belongs to other elements or another encoding, so it is not restored.
+_RESIDUAL_NEUTRAL_OPTIONS = frozenset({"kernel_backend", "quantized_weights_until", "hpz_until",
+                                       "quantized_gradients_until", "generation_gather", "activation_checkpointing"})
 
 
 def _rank() -> int:
@@ -168,6 +174,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         zeropp = getattr(model, "_zeropp", None)
         if zeropp is not None:
             meta["zeropp_config"] = zeropp.config.to_dict()
+            meta["node_size"] = zeropp.topology.node_size
             meta["qgz_calls"] = [state["calls"] for state in qgz_states]
             if all_reduce is not None:
                 meta["cross_node_all_reduce"] = all_reduce.state_dict()
@@ -198,14 +205,42 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     rank_state = torch.load(rng_file, weights_only=False) if same_world and rng_file.is_file() else {}
     if restore_rng and rank_state:
         _set_rng_state(rank_state)
-    residuals = rank_state.get("qgz_residuals")
-    _restore_qgz_states(model, meta.get("qgz_calls"), residuals)
+    keep_residuals = _residuals_apply(directory, meta, model)
+    _restore_qgz_states(model, meta.get("qgz_calls"), rank_state.get("qgz_residuals") if keep_residuals else None)
     all_reduce = _cross_node_all_reduce(model)
     if all_reduce is not None and "cross_node_all_reduce" in meta:
         all_reduce.load_state_dict(meta["cross_node_all_reduce"])
-    if all_reduce is not None and rank_state.get("cross_node_residuals") is not None:
+    if all_reduce is not None and keep_residuals and rank_state.get("cross_node_residuals") is not None:
         all_reduce.load_residuals_state_dict(rank_state["cross_node_residuals"])
     return meta
+
+
+def _residuals_apply(directory: Path, meta: dict[str, Any], model: nn.Module) -> bool:
+    """Whether the saved error-feedback residuals belong to this run's layout. A residual is what one rank's
+    quantization dropped from its own slice of a gradient, so on another world size, node size or quantization
+    setting it would be added to other elements (with equal shapes, silently). There they start from zero, as on a
+    fresh start, and rank 0 says so once; ``comm_stats()["implementations"]`` records it."""
+    zeropp = getattr(model, "_zeropp", None)
+    saved = meta.get("zeropp_config") or {}
+    if zeropp is None or not (saved.get("gradient_error_feedback") and zeropp.config.gradient_error_feedback):
+        return True  # nothing saved to restore, or nothing here to restore it into
+    current = zeropp.config.to_dict()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    changes = [f"{what} {before} -> {now}" for what, before, now in (
+        ("world size", meta.get("world_size"), world),
+        ("node size", meta.get("node_size", "unrecorded"), zeropp.topology.node_size)) if before != now]
+    changes += [f"{option} {saved.get(option)!r} -> {current.get(option)!r}"
+                for option in sorted(set(saved) | set(current))  # node_size: compared as resolved, above
+                if option not in _RESIDUAL_NEUTRAL_OPTIONS | {"node_size"} and saved.get(option) != current.get(option)]
+    if not changes:
+        return True
+    reason = (f"the error-feedback residuals in {str(directory)!r} were not restored ({'; '.join(changes)}): they "
+              f"belong to other gradient elements in this layout, so they start from zero, as on a fresh start")
+    zeropp.meter.conditions["gradient_error_feedback_residuals"] = f"not restored: {reason}"
+    if _rank() == 0:
+        warnings.warn(f"hf_zeropp: {reason}. Resume on the saving run's world size, node size and options to "
+                      f"restore them", stacklevel=3)
+    return False
 
 
 def _cross_node_all_reduce(model: nn.Module):

@@ -436,3 +436,68 @@ def test_hybrid_q_resumes_with_the_same_rounding_and_residuals(tmp_path, options
     if "gradient_error_feedback" in options:
         assert results[0]["residual_units"] == 3  # the tiny GPT-2's two blocks and its root
         assert results[0]["described"][0].endswith("error feedback (8-bit residual) on both hops")
+
+
+def _resume_on_other_node_size(checkpoint_dir: str, preset: str):
+    """Error feedback saved on 2 nodes x 4 ranks, resumed on 4 x 2 (same world size): the residuals belong to other
+    elements there. Against the same checkpoint without its per-rank files (residuals from zero), and a resume on
+    the saving layout (restored)."""
+    import shutil
+    import warnings
+
+    from hf_zeropp import comm_stats, load_checkpoint, save_checkpoint, shard_model
+    from hf_zeropp.state import zeropp_state
+    from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
+
+    def sharded(node_size: int):
+        model = shard_model(tiny_gpt2(seed=1), ZeroPPConfig.preset(preset, node_size=node_size,
+                                                                   gradient_error_feedback=True))
+        return model, make_optimizer(model)
+
+    def residual_count(model) -> int:
+        state = zeropp_state(model)
+        if state.cross_node_all_reduce is not None:
+            return len(state.cross_node_all_reduce.residuals_state_dict())
+        return sum(bool(rs.state_dict()["error_feedback"]["residuals"]) for rs in state.reduce_scatters)
+
+    model, optimizer = sharded(4)
+    train(model, optimizer, range(2), size=_batch())
+    save_checkpoint(checkpoint_dir, model, optimizer, step=2)
+    without_rank_files = checkpoint_dir + "_without_rank_files"
+    if dist.get_rank() == 0:
+        shutil.copytree(checkpoint_dir, without_rank_files)
+        shutil.rmtree(f"{without_rank_files}/rng")
+    dist.barrier()
+    result = {}
+    for name, directory, node_size in (("same layout", checkpoint_dir, 4), ("other node size", checkpoint_dir, 2),
+                                       ("no residuals", without_rank_files, 2)):
+        resumed, resumed_optimizer = sharded(node_size)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_checkpoint(directory, resumed, resumed_optimizer)
+        restored = residual_count(resumed)
+        train(resumed, resumed_optimizer, range(2, 3), size=_batch())
+        result[name] = {"restored": restored, "warnings": [str(w.message) for w in caught],
+                        "condition": comm_stats(resumed)["implementations"].get("gradient_error_feedback_residuals"),
+                        "params": [p.full_tensor() for p in resumed.parameters()]}
+    return result
+
+
+@pytest.mark.parametrize("preset", ["hybrid-q", "zeropp"])
+def test_error_feedback_residuals_are_not_restored_on_another_node_size_and_that_is_said(tmp_path, preset):
+    """A rank's residual is what its quantization dropped from its own slice of the gradient. Resumed on another
+    node size (same world size) it would be added to other elements, with shapes that can match: it must start from
+    zero, exactly as if the checkpoint had no per-rank files, with one warning naming the change."""
+    results = run_distributed(_resume_on_other_node_size, 8, str(tmp_path / "ckpt"), preset, node_size=4,
+                              timeout=600)
+    for rank, result in enumerate(results):
+        assert result["same layout"]["restored"] > 0 and result["same layout"]["warnings"] == [], rank
+        assert result["same layout"]["condition"] is None
+        assert result["other node size"]["restored"] == 0, rank
+        assert all(torch.equal(mine, reference) for mine, reference in zip(
+            result["other node size"]["params"], result["no residuals"]["params"])), rank
+        condition, = result["other node size"]["condition"]
+        assert condition.startswith("not restored: ") and "node size 4 -> 2" in condition, condition
+    warned = results[0]["other node size"]["warnings"]
+    assert len(warned) == 1 and "error-feedback residuals" in warned[0] and "node size 4 -> 2" in warned[0], warned
+    assert all(result["other node size"]["warnings"] == [] for result in results[1:]), "rank 0 warns, once"
