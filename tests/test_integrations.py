@@ -31,8 +31,8 @@ def _accelerate(output: Path, zeropp: str, *extra: str) -> None:
              "--output", str(output), *extra], {"ZEROPP_NODE_SIZE": "2"})
 
 
-@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3"])
-def test_accelerate_launch_trains_each_stage(tmp_path, preset):
+@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3", "hybrid-q"])
+def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(tmp_path, preset):
     _accelerate(tmp_path, preset, "--steps", "5")
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, metrics
