@@ -42,10 +42,12 @@ from .hpz import reshard_all
 META_FILE = "zeropp_meta.json"
 _RNG_DIR = "rng"
 # options that leave the error-feedback residuals' meaning unchanged: which kernel runs, when a technique switches
-# off, how generation gathers, recomputation. A change of any other option, of the world size or of the node size
-# means a rank's saved residual belongs to other elements or another encoding, so it is not restored.
+# off, how generation gathers, recomputation; node_size is compared as resolved (the launcher's or the option's).
+# A change of any other option, of the world size or of the node size means a rank's saved residual belongs to
+# other elements or another encoding, so it is not restored.
 _RESIDUAL_NEUTRAL_OPTIONS = frozenset({"kernel_backend", "quantized_weights_until", "hpz_until",
-                                       "quantized_gradients_until", "generation_gather", "activation_checkpointing"})
+                                       "quantized_gradients_until", "generation_gather", "activation_checkpointing",
+                                       "node_size"})
 
 
 def _rank() -> int:
@@ -230,8 +232,8 @@ def _residuals_apply(directory: Path, meta: dict[str, Any], model: nn.Module) ->
         ("world size", meta.get("world_size"), world),
         ("node size", meta.get("node_size", "unrecorded"), zeropp.topology.node_size)) if before != now]
     changes += [f"{option} {saved.get(option)!r} -> {current.get(option)!r}"
-                for option in sorted(set(saved) | set(current))  # node_size: compared as resolved, above
-                if option not in _RESIDUAL_NEUTRAL_OPTIONS | {"node_size"} and saved.get(option) != current.get(option)]
+                for option in sorted(set(saved) | set(current))
+                if option not in _RESIDUAL_NEUTRAL_OPTIONS and saved.get(option) != current.get(option)]
     if not changes:
         return True
     reason = (f"the error-feedback residuals in {str(directory)!r} were not restored ({'; '.join(changes)}): they "
@@ -259,9 +261,10 @@ def _qgz_states(model: nn.Module) -> list[dict]:
 
 
 def _restore_qgz_states(model: nn.Module, calls: list[int] | None, residuals: list | None) -> None:
-    """Give each qgZ reduce-scatter its saved call count (rank 0's, from the metadata) and, on the same world size,
-    this rank's error-feedback residuals. Saved from a differently wrapped model, they are left out: seeds restart
-    and residuals start from zero (only rounding differs, by one step's worth)."""
+    """Give each qgZ reduce-scatter its saved call count (rank 0's, from the metadata) and this rank's
+    error-feedback residuals (``None`` where :func:`_residuals_apply` found another layout). Saved from a
+    differently wrapped model, they are left out: seeds restart and residuals start from zero (only rounding
+    differs, by one step's worth)."""
     reduce_scatters = _reduce_scatters(model)
     for key, saved in (("calls", calls), ("error_feedback", residuals)):
         if saved and len(saved) == len(reduce_scatters):
