@@ -443,7 +443,6 @@ def _resume_on_other_node_size(checkpoint_dir: str, preset: str):
     elements there. Against the same checkpoint without its per-rank files (residuals from zero), and a resume on
     the saving layout (restored)."""
     import shutil
-    import warnings
 
     from hf_zeropp import comm_stats, load_checkpoint, save_checkpoint, shard_model
     from hf_zeropp.state import zeropp_state
