@@ -1,7 +1,7 @@
 """Print the conformance table: each public pattern under stock Accelerate / Trainer / TRL and under hf_zeropp
-(zero3 and ZeRO++), side by side, from the patterns the conformance tests run (hf_zeropp.testing.conformance).
+(zero3, ZeRO++ and hybrid-q), side by side, from the patterns the conformance tests run (hf_zeropp.testing.conformance).
 
-    .venv/bin/python scripts/conformance_table.py        # ~6 min on 2 CPU cores: 4 gloo ranks as 2 nodes x 2
+    .venv/bin/python scripts/conformance_table.py        # ~8 min on 2 CPU cores: 4 gloo ranks as 2 nodes x 2
 
 Each cell is the pattern's last training loss (or what the pattern checks), ``fails`` if the run raised.
 """
@@ -17,7 +17,7 @@ from hf_zeropp.testing import conformance
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
 
-MODES = ("stock", "zero3", "zeropp")
+MODES = ("stock", "zero3", "zeropp", "hybrid-q")
 
 
 def _launch(worker, modes, *args, world: int = conformance.WORLD) -> dict[str, dict | str]:

@@ -1,6 +1,6 @@
 """Conformance: every public pattern runs twice — under stock Accelerate / Trainer and under hf_zeropp — and must
-give the same result (zero1-3, fp32: 1e-6 relative), or for ZeRO++ (quantized collectives) the same behaviour
-within quantization error, with resume bit-exact in every mode.
+give the same result (zero1-3 and hybrid sharding, fp32: 1e-6 relative), or for ZeRO++ and hybrid-q (quantized
+collectives) the same behaviour within quantization error, with resume bit-exact in every mode.
 
 Each mode runs in one launch of 4 gloo ranks (2 emulated nodes x 2) that goes through all the patterns (they live in
 :mod:`hf_zeropp.testing.conformance`); the test functions compare the modes' results pattern by pattern.
@@ -16,8 +16,9 @@ from hf_zeropp.testing import conformance
 from hf_zeropp.testing.conformance import NODE_SIZE, WORLD
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
-EXACT_MODES = ("zero1", "zero2", "zero3")
-MODES = ("stock", *EXACT_MODES, "zeropp")
+EXACT_MODES = ("zero1", "zero2", "zero3", "hybrid")
+QUANTIZED_MODES = ("zeropp", "hybrid-q")
+MODES = ("stock", *EXACT_MODES, *QUANTIZED_MODES)
 EXACT = 1e-6  # relative: the same arithmetic up to reduction order
 # ZeRO++ (INT8 weights, INT4 gradients) against stock, relative, over these 3 steps: losses; gradient norms (the
 # INT4 rounding noise adds to the norm: +7 % measured); the whole model's weights, L2 over all parameters (Adam at
@@ -52,7 +53,7 @@ def _close(actual: list[float], expected: list[float], rel: float) -> bool:
 
 
 def _tolerance(mode: str, measure: str = "loss") -> float:
-    return QUANTIZED[measure] if mode == "zeropp" else EXACT
+    return QUANTIZED[measure] if mode in QUANTIZED_MODES else EXACT
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
@@ -76,7 +77,7 @@ def test_get_state_dict_equals_stock(accelerate_results, mode):
     stock, ours = accelerate_results["stock"]["one_call"], accelerate_results[mode]["one_call"]
     assert set(ours["state_dict"]) == set(stock["state_dict"])
     names = sorted(stock["state_dict"])
-    if mode == "zeropp":
+    if mode in QUANTIZED_MODES:
         flat = {which: torch.cat([result["state_dict"][n].reshape(-1) for n in names]) for which, result in
                 (("stock", stock), ("ours", ours))}
         error = float((flat["ours"] - flat["stock"]).norm() / flat["stock"].norm())
@@ -99,7 +100,7 @@ def test_saved_models_reload_with_plain_transformers(accelerate_results, mode, s
     assert ours["saved_tensors"][saved] == accelerate_results["stock"]["one_call"]["saved_tensors"][saved]
     logits = ours["reloaded_logits"][saved]
     reference = accelerate_results["stock"]["one_call"]["reloaded_logits"][saved]
-    if mode == "zeropp":  # compare with this mode's own weights: its training differs from stock by quantization
+    if mode in QUANTIZED_MODES:  # compare with this mode's own weights: its training differs from stock by quantization
         reference = ours["reloaded_logits"]["save_model"]
     assert torch.allclose(logits, reference, rtol=1e-5, atol=1e-5), float((logits - reference).abs().max())
 
@@ -120,7 +121,7 @@ def test_save_state_load_state_resumes_bit_exactly_in_fsdp2_order(accelerate_res
 # ---------------------------------------------------------------- Trainer patterns
 
 
-TRAINER_MODES = ("stock", "zero3", "zeropp")
+TRAINER_MODES = ("stock", "zero3", "zeropp", "hybrid", "hybrid-q")
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +190,7 @@ def test_trainer_resumes_on_another_world_size_as_stock(trainer_resumed, mode):
 # ---------------------------------------------------------------- TRL trainers behind the mixin
 
 
-TRL_MODES = ("stock", "zero3", "zeropp", "zeropp-lora")
+TRL_MODES = ("stock", "zero3", "zeropp", "hybrid-q", "zeropp-lora")
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +202,7 @@ def trl_results(tmp_path_factory) -> Runs:
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
-@pytest.mark.parametrize("mode", TRL_MODES[1:3])
+@pytest.mark.parametrize("mode", TRL_MODES[1:4])
 def test_trl_trainers_behind_the_mixin_equal_stock(trl_results, kind, mode):
     stock, ours = trl_results["stock"][kind], trl_results[mode][kind]
     assert ours["sharded"] and not stock["sharded"]
@@ -217,7 +218,8 @@ def test_trl_reference_models_are_sharded(trl_results, kind):
     plus hpZ's node-local secondary shard, which a frozen model keeps between forwards so that every gather after
     the first stays in the node (1/2 of the model at 2 ranks per node); with frozen INT8 (``zeropp-lora``) the
     frozen matrices' node-local share is stored as INT8 codes instead (the tied embedding/head, biases and
-    LayerNorms stay with FSDP in fp32)."""
+    LayerNorms stay with FSDP in fp32); hybrid sharding holds the node's share (1/2) and gathers nothing across
+    nodes."""
     reference = {mode: trl_results[mode][kind]["reference_bytes"] for mode in TRL_MODES}
     assert not trl_results["stock"][kind]["reference_sharded"]
     assert all(trl_results[mode][kind]["reference_sharded"] for mode in TRL_MODES[1:])
@@ -225,3 +227,4 @@ def test_trl_reference_models_are_sharded(trl_results, kind):
     assert reference["zero3"] <= full / WORLD * 1.1, reference
     assert reference["zeropp"] <= (full / WORLD + full / NODE_SIZE) * 1.1, reference
     assert reference["zeropp-lora"] < reference["zeropp"] * 0.6, reference
+    assert reference["hybrid-q"] <= full / NODE_SIZE * 1.1, reference

@@ -22,7 +22,9 @@ from hf_zeropp.testing.tiny_models import VOCAB, full_parameters, local_batch, m
 STALE_CONFIGS = {"zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3},
                  "hpz": {"stage": 3, "hpz_partition_size": "node"},
                  "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node",
-                            "quantized_gradients": True}}
+                            "quantized_gradients": True},
+                 "hybrid-q": {"stage": 3, "shard_group": "node", "hybrid_gradient_bits": 4},
+                 "hybrid-q stage 2": {"stage": 2, "shard_group": "node", "hybrid_gradient_bits": 4}}
 
 
 def _loss_after_one_step(options: dict, forward_between: bool) -> dict[str, float]:
@@ -82,7 +84,7 @@ def _loss_after_a_step_with_an_unconsumed_prefetch(options: dict, call_first_blo
 
 def _unconsumed_prefetch_runs() -> dict:
     return {name: {call: _loss_after_a_step_with_an_unconsumed_prefetch(STALE_CONFIGS[name], call)
-                   for call in (False, True)} for name in ("zero3", "zeropp")}
+                   for call in (False, True)} for name in ("zero3", "zeropp", "hybrid-q")}
 
 
 def test_a_prefetched_gather_never_serves_weights_from_before_a_step():
@@ -139,7 +141,7 @@ def test_gathers_are_prefetched_and_asynchronous_on_cpu():
             assert got["async"] and all(got["async"]), (name, got["async"])
 
 
-def _per_rank_init(stage: int) -> dict:
+def _per_rank_init(config: ZeroPPConfig) -> dict:
     """Every rank builds its own random weights (seeded by rank, as a script that seeds per rank or not at all)."""
     import hf_zeropp
 
@@ -148,7 +150,7 @@ def _per_rank_init(stage: int) -> dict:
     rank0_init = tiny_gpt2(seed=100).state_dict()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(stage=stage))
+        hf_zeropp.shard_model(model, config)
     full = full_parameters(model)
     local = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
              for name, p in model.named_parameters()}
@@ -156,14 +158,17 @@ def _per_rank_init(stage: int) -> dict:
             "local": local, "warned": any("different initial weights" in str(w.message) for w in caught)}
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_ranks_start_from_rank_0_weights_as_under_ddp(stage):
-    results = run_distributed(_per_rank_init, 4, stage, node_size=2)
+@pytest.mark.parametrize("config", [ZeroPPConfig(stage=0), ZeroPPConfig(stage=3), ZeroPPConfig.preset("hybrid-q")],
+                         ids=["stage0", "stage3", "hybrid-q"])
+def test_ranks_start_from_rank_0_weights_as_under_ddp(config):
+    """Replicas (stage 0's ranks; hybrid sharding's nodes, rank r and r + 2 here) hold the same weights."""
+    results = run_distributed(_per_rank_init, 4, config, node_size=2)
     assert all(r["equal_to_rank0"] for r in results)
     assert results[0]["warned"] and not any(r["warned"] for r in results[1:])
-    if stage == 0:  # replicas: every rank holds the same full weights
-        for name, value in results[0]["local"].items():
-            assert all(torch.equal(r["local"][name], value) for r in results[1:]), name
+    replicas = [(0, 1, 2, 3)] if config.stage == 0 else [(0, 2), (1, 3)] if config.shard_group == "node" else []
+    for group in replicas:
+        for name, value in results[group[0]]["local"].items():
+            assert all(torch.equal(results[r]["local"][name], value) for r in group[1:]), (group, name)
 
 
 def test_node_size_from_the_launchers_variables():
