@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,16 +25,23 @@ def _launch(command: list[str], env: dict[str, str], timeout: int = 600) -> str:
     return result.stdout
 
 
-def _accelerate(output: Path, zeropp: str, *extra: str) -> None:
+def _accelerate(output: Path, zeropp: str, *extra: str) -> str:
     port = str(29600 + (abs(hash(str(output))) % 300))
-    _launch([str(BIN / "accelerate"), "launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
+    return _launch([str(BIN / "accelerate"), "launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
              "--main_process_port", port, "scripts/train_accelerate.py", "--zeropp", zeropp,
              "--output", str(output), *extra], {"ZEROPP_NODE_SIZE": "2"})
 
 
-@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3", "hybrid-q"])
+@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3", "hybrid-q", "auto"])
 def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(tmp_path, preset):
-    _accelerate(tmp_path, preset, "--steps", "5")
+    """auto probes the links at prepare and says once, on rank 0, which configuration it chose and why."""
+    output = _accelerate(tmp_path, preset, "--steps", "5")
+    if preset == "auto":
+        from hf_zeropp.auto import CANDIDATES
+
+        choices = re.findall(r"^hf_zeropp auto: (.+?) \(predicted", output, re.MULTILINE)
+        assert len(choices) == 1 and choices[0] in CANDIDATES, output[-3000:]
+        assert "links measured: intra-node" in output, output[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, metrics
     assert all(m["inter_node_bytes"] > 0 for m in metrics)
