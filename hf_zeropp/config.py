@@ -86,6 +86,10 @@ class ZeroPPConfig:
     wrap_modules: list[str] | None = _option(
         None, SHARDING, "class names of the FSDP units (None = the model's `_no_split_modules`)")
     activation_checkpointing: bool = _option(False, SHARDING, "recompute each transformer block in backward")
+    cpu_offload: bool = _option(
+        False, SHARDING, "FSDP2's CPUOffloadPolicy: sharded parameters, their gradients and the optimizer state live "
+                         "in CPU memory (pinned on GPUs) and the optimizer steps there; each unit's shard is copied "
+                         "to the device for its all-gather (stages 1-3; DeepSpeed's offload_optimizer/offload_param)")
     generation_gather: Literal["per_call", "per_token"] = _option(
         "per_call", SHARDING, '`generate()` gathers the weights once per call and frees them after it (each rank '
                               'then holds one full copy in the compute dtype), or `"per_token"`: once per forward, '
@@ -298,6 +302,7 @@ class ZeroPPConfig:
     def _check_stage_supports_options(self) -> None:
         hpz_on = self.hpz_partition_size != 1
         wanted = {
+            "cpu_offload": (self.cpu_offload, (1, 2, 3)),
             "quantized_weights": (self.quantized_weights, (1, 2, 3)),
             "hpz_partition_size": (hpz_on, (3,)),
             "quantized_gradients": (self.quantized_gradients, (1, 2, 3)),
@@ -305,6 +310,7 @@ class ZeroPPConfig:
         }
         for name, (on, stages) in wanted.items():
             why = ("hpZ keeps a secondary shard of weights that only stage 3 reshards" if name == "hpz_partition_size"
+                   else "stage 0 keeps full replicas, with no shards to offload" if name == "cpu_offload"
                    else "stage 0 is plain data parallel with no sharded collectives to change")
             if on and self.stage not in stages:
                 raise ValueError(f"{name} needs stage {' or '.join(map(str, stages))}, but stage={self.stage}: {why}; "

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 
 from ._compat import apply_activation_checkpointing, no_split_modules, set_unshard_async_op
 from .auto import choose as choose_configuration
@@ -168,14 +169,16 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
     if config.stage == 3 and topology.hpz_size > 1:
         reshard = topology.hpz_size
     mesh = _sharding_mesh(config, topology)
+    # pinned host memory makes the copies to and from a GPU asynchronous; on a CPU-only run there is no device
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if config.cpu_offload else OffloadPolicy()
     with shared_hpz_mesh(topology):
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
         # the root keeps its weights gathered from forward to backward, as stock FSDP2's root does: backward
         # starts with it, so resharding would only gather the same weights again (the tied embedding, mostly).
         # A frozen model has no backward: it would hold its root gathered from one forward to the next
         root_reshard = reshard if frozen else False
-        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy, offload_policy=offload)
     if device.type == "cpu":
         _prefetch_gathers(model, units)
     return units
@@ -264,6 +267,12 @@ def _enable_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -
 
 def _install_comms(model: nn.Module, state: ZeroPPState) -> None:
     """Give every FSDP unit hf_zeropp's all-gather and reduce-scatter, and make FSDP request plain SUMs."""
+    if state.config.cpu_offload:
+        state.meter.conditions["cpu_offload"] = (
+            "FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state in CPU memory"
+            + (" (pinned), optimizer step on the CPU; each unit's shard is copied to the GPU for its all-gather"
+               if state.topology.device_type == "cuda" else
+               ", optimizer step on the CPU (a CPU-only run: the compute device is the CPU too, so nothing moves)"))
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         if state.config.stage == 0:
