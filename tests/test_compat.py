@@ -30,7 +30,7 @@ def entry(name: str):
         yield
     except Exception as error:  # assertion failures included: pytest.fail raises a BaseException
         pytest.fail(f"hf_zeropp._compat.{name} -> {_compat.UPSTREAM[name]} does not work with the installed "
-                    f"versions ({_installed()}; hf_zeropp/_compat.py says which were checked): "
+                    f"versions ({_installed()}; hf_zeropp/_compat/ says which were checked): "
                     f"{type(error).__name__}: {error}", pytrace=True)
 
 
@@ -295,6 +295,20 @@ def _trainer_classes() -> list[type]:
         except (ImportError, AttributeError):  # a trainer this TRL does not have, or whose extras are missing
             pass
     return classes
+
+
+def test_grad_scaler_per_optimizer_state():
+    """A scaler with its own update rule (DeepSpeed's) resets the per-optimizer record as GradScaler.update does:
+    the fresh record must be what a GradScaler starts each iteration with, so that the next step unscales again."""
+    with entry("fresh_grad_scaler_state"):
+        model = nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(optimizer)
+        assert scaler._per_optimizer_states[id(optimizer)]["stage"] != _compat.fresh_grad_scaler_state()["stage"]
+        fresh = _compat.fresh_grad_scaler_state()
+        assert fresh == scaler._per_optimizer_states[id(object())]  # a defaultdict's new entry: the same record
 
 
 def _tiny_gpt2():

@@ -1,18 +1,6 @@
-"""Every private or internal upstream API hf_zeropp uses, in one place.
-
-Torch FSDP2's custom-collective base classes and parameter-group internals, ``torch._C`` and process-group
-internals, transformers' model-init and Trainer hooks, and Accelerate's prepared-object registry are reached only
-through the names below; the rest of hf_zeropp imports them from here. Each entry says what it reaches into and
-carries the versions it was checked on. ``tests/test_compat.py`` exercises every entry against the installed
-versions, so an upstream rename fails there with the upstream symbol named (``UPSTREAM`` maps entry -> symbol).
-
-Where a module moved between versions the right one is found by trying the known locations in order, never by
-comparing version strings. PEFT and TRL: hf_zeropp uses none of their private APIs (TRL's trainers reach hf_zeropp
-through the Trainer hooks below, which they inherit).
-
-This module imports only torch and third-party packages, never other hf_zeropp modules; transformers and
-accelerate are imported inside the functions that need them.
-"""
+"""torch internals hf_zeropp reaches into: FSDP2's custom-collective base classes and parameter-group state,
+``torch._C`` and process-group internals, the threaded test process group (checked on torch 2.13; FSDP2 modules that
+moved are found by trying their known locations, newest first)."""
 
 from __future__ import annotations
 
@@ -26,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# entry -> the upstream symbol it reaches into (named in the test's failure messages)
+# entry -> the upstream symbol it reaches into (named in tests/test_compat.py's failure messages)
 UPSTREAM: dict[str, str] = {
     "AllGather": "torch.distributed.fsdp._fully_shard._fsdp_api.AllGather",
     "ReduceScatter": "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",
@@ -52,19 +40,7 @@ UPSTREAM: dict[str, str] = {
                                "Collective.join, ProcessLocalGroup.exception_handle), "
                                "torch._C._distributed_c10d._set_thread_isolation_mode",
     "local_tensor": "torch.distributed.tensor.DTensor._local_tensor",
-    "no_split_modules": "transformers.PreTrainedModel._no_split_modules",
-    "run_init_with_hooks": "transformers.PreTrainedModel._initialize_weights (+ initialize_weights)",
-    "init_non_persistent_buffers": "transformers.PreTrainedModel._init_weights",
-    "trainer_accelerator_class": "transformers.trainer.Accelerator (looked up by "
-                                 "Trainer.create_accelerator_and_postprocess)",
-    "TrainerHooks": "transformers.Trainer._move_model_to_device, ._save_optimizer_and_scheduler, "
-                    "._load_optimizer_and_scheduler, ._load_from_checkpoint, ._load_best_model",
-    "trainer_save": "transformers.Trainer._save",
-    "extend_valid_dict_fields": "transformers.TrainingArguments._VALID_DICT_FIELDS",
-    "is_accelerate_prepared": "accelerate: the _is_accelerate_prepared flag Accelerator.prepare sets",
-    "accelerator_models": "accelerate.Accelerator._models",
-    "accelerator_optimizers": "accelerate.Accelerator._optimizers",
-    "accelerator_registry": "accelerate.Accelerator._models / ._optimizers (assigned)",
+    "fresh_grad_scaler_state": "torch.amp.grad_scaler._refresh_per_optimizer_state",
 }
 
 
@@ -78,7 +54,7 @@ def _import_first(modules: tuple[str, ...], name: str) -> Any:
         if hasattr(module, name):
             return getattr(module, name)
     raise ImportError(f"hf_zeropp needs {name} from one of {', '.join(modules)}; this torch {torch.__version__} has "
-                      f"none (hf_zeropp/_compat.py lists the versions it was checked on)")
+                      f"none (hf_zeropp/_compat/torch_api.py lists the versions it was checked on)")
 
 
 _FSDP_PACKAGES = ("torch.distributed.fsdp._fully_shard", "torch.distributed._composable.fsdp")  # new first
@@ -353,153 +329,14 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-# ---------------------------------------------------------------- transformers (checked on 4.56.1 - 5.23)
 
-# checked: transformers 4.56.1 - 5.23
-def no_split_modules(model: nn.Module) -> list[str]:
-    """``PreTrainedModel._no_split_modules``: the layer class names that must stay whole (FSDP units); [] if none."""
-    return list(getattr(model, "_no_split_modules", None) or [])
+# checked: torch 2.13
+def fresh_grad_scaler_state() -> dict[str, Any]:
+    """``torch.amp.grad_scaler._refresh_per_optimizer_state()``: what a GradScaler's per-optimizer record holds at the
+    start of an iteration; a scaler with its own update rule resets it as ``GradScaler.update`` does."""
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-
-# checked: transformers 4.56.1 - 5.23 (5.x passes _initialize_weights an extra is_custom_code argument)
-def run_init_with_hooks(model: nn.Module, before: Callable[[nn.Module], None],
-                        after: Callable[[nn.Module], None]) -> None:
-    """Run transformers' ``model.initialize_weights()`` with every sub-model's private per-module
-    ``_initialize_weights`` wrapped in ``before(module)`` / ``after(module)`` (transformers' own traversal,
-    children first, each sub-model with its own ``_init_weights``)."""
-    from transformers import PreTrainedModel
-
-    wrapped = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-
-    def wrap(original: Callable) -> Callable:
-        def initialize(module: nn.Module, *args: Any, **kwargs: Any) -> None:
-            before(module)
-            original(module, *args, **kwargs)
-            after(module)
-        return initialize
-
-    for sub in wrapped:
-        sub._initialize_weights = wrap(sub._initialize_weights)
-    try:
-        model.initialize_weights()
-    finally:
-        for sub in wrapped:
-            del sub._initialize_weights
-
-
-# checked: transformers 4.56.1 - 5.23
-@contextlib.contextmanager
-def trainer_accelerator_class(factory: Callable[..., Any]) -> Iterator[None]:
-    """Inside the block, ``transformers.trainer.Accelerator`` (the module global that
-    ``Trainer.create_accelerator_and_postprocess`` instantiates) is ``factory``."""
-    import transformers.trainer as trainer_module
-
-    original = trainer_module.Accelerator
-    trainer_module.Accelerator = factory
-    try:
-        yield
-    finally:
-        trainer_module.Accelerator = original
-
-
-# checked: transformers 4.56.1 - 5.23; TRL 0.23 - 1.16 (SFT/DPO/GRPO trainers inherit these or, GRPOTrainer's
-# _load_optimizer_and_scheduler in 1.16, override them with the same signature)
-class TrainerHooks:
-    """Overrides of five private ``transformers.Trainer`` methods, each handed to an hf_zeropp-named method with
-    the next class's implementation: ``_move_model_to_device`` -> ``_zeropp_move_model_to_device``,
-    ``_save_optimizer_and_scheduler`` -> ``_zeropp_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``
-    -> ``_zeropp_load_optimizer_and_scheduler``, ``_load_from_checkpoint`` -> ``_zeropp_load_from_checkpoint``,
-    ``_load_best_model`` -> ``_zeropp_load_best_model``. Put it right before the Trainer class in the bases."""
-
-    def _move_model_to_device(self, model: Any, device: Any) -> None:
-        return self._zeropp_move_model_to_device(model, device, super()._move_model_to_device)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        return self._zeropp_save_optimizer_and_scheduler(output_dir, super()._save_optimizer_and_scheduler)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        return self._zeropp_load_optimizer_and_scheduler(checkpoint, super()._load_optimizer_and_scheduler)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        return self._zeropp_load_from_checkpoint(resume_from_checkpoint, model, super()._load_from_checkpoint)
-
-    def _load_best_model(self) -> None:
-        return self._zeropp_load_best_model(super()._load_best_model)
-
-
-# checked: transformers 4.56.1 - 5.23
-def trainer_save(trainer: Any, output_dir: str, state_dict: dict[str, Any]) -> None:
-    """``Trainer._save(output_dir, state_dict=...)``: writes the model (on rank 0 only), tokenizer and args."""
-    trainer._save(output_dir, state_dict=state_dict)
-
-
-# checked: transformers 5.23 (older versions leave the buffers unset; callers fall back)
-def init_non_persistent_buffers(model: nn.Module) -> list[str]:
-    """Give the non-persistent buffers that are on the meta device (a model loaded with ``device_map="meta"``)
-    real values on the CPU, computed by transformers' per-module ``_init_weights`` of the sub-model that owns them
-    (rotary frequencies); returns the names it left unset."""
-    from transformers import PreTrainedModel
-
-    unset = []
-
-    def visit(module: nn.Module, owner: PreTrainedModel | None, prefix: str) -> None:
-        owner = module if isinstance(module, PreTrainedModel) else owner
-        names = [name for name in getattr(module, "_non_persistent_buffers_set", ())
-                 if module._buffers.get(name) is not None and module._buffers[name].is_meta]
-        if names:
-            for name in names:
-                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
-            versions = {name: module._buffers[name]._version for name in names}
-            if owner is not None:
-                with torch.no_grad():
-                    owner._init_weights(module)
-            unset.extend(prefix + name for name in names if module._buffers[name]._version == versions[name])
-        for child_name, child in module.named_children():
-            visit(child, owner, f"{prefix}{child_name}.")
-
-    visit(model, None, "")
-    return unset
-
-
-# checked: transformers 4.56.1 - 5.23
-def extend_valid_dict_fields(new_class: type, base_class: type, name: str) -> None:
-    """Set ``new_class._VALID_DICT_FIELDS`` to the base's plus ``name``: TrainingArguments parses the fields listed
-    there from JSON strings (``--zeropp '{"stage": 3}'``)."""
-    new_class._VALID_DICT_FIELDS = [*base_class._VALID_DICT_FIELDS, name]
-
-
-# ---------------------------------------------------------------- accelerate (checked on 1.10 - 1.15)
-
-# checked: accelerate 1.10 - 1.15
-def is_accelerate_prepared(obj: Any) -> bool:
-    """The private ``_is_accelerate_prepared`` flag that ``Accelerator.prepare`` sets on what it returns."""
-    return getattr(obj, "_is_accelerate_prepared", False)
-
-
-# checked: accelerate 1.10 - 1.15
-def accelerator_models(accelerator: Any) -> list:
-    """``Accelerator._models``, the live list of prepared models (save_state, clip_grad_norm_ and
-    get_state_dict walk it)."""
-    return accelerator._models
-
-
-# checked: accelerate 1.10 - 1.15
-def accelerator_optimizers(accelerator: Any) -> list:
-    """``Accelerator._optimizers``, the live list of prepared (wrapped) optimizers."""
-    return accelerator._optimizers
-
-
-# checked: accelerate 1.10 - 1.15
-@contextlib.contextmanager
-def accelerator_registry(accelerator: Any, models: list, optimizers: list) -> Iterator[None]:
-    """Inside the block ``Accelerator._models`` / ``_optimizers`` are ``models`` / ``optimizers`` (the originals
-    come back after): hides sharded models from Accelerate's own save_state/load_state."""
-    original_models, original_optimizers = accelerator._models, accelerator._optimizers
-    accelerator._models, accelerator._optimizers = models, optimizers
-    try:
-        yield
-    finally:
-        accelerator._models, accelerator._optimizers = original_models, original_optimizers
+    return _refresh_per_optimizer_state()
 
 
 __all__ = sorted(UPSTREAM)
