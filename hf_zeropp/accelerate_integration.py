@@ -24,6 +24,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from ._compat import accelerator_models, accelerator_optimizers, accelerator_registry, is_accelerate_prepared
+from .auto_trial import is_pending
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroPPConfig
 from .full_state import consolidated_state_dict
@@ -37,7 +38,8 @@ _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MUL
 
 
 def is_sharded(model: Any) -> bool:
-    return getattr(model, "_zeropp", None) is not None
+    """Sharded by hf_zeropp, or awaiting auto's trial, which shards it at its first forward (asked without that)."""
+    return is_pending(model) or getattr(model, "_zeropp", None) is not None
 
 
 class Accelerator(accelerate.Accelerator):

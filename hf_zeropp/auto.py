@@ -15,6 +15,11 @@ every candidate, so it drops out of the comparison. ZeRO-3 is kept unless anothe
 free per rank. A quantized choice then gets INT8 gradients instead of INT4 unless INT4 is predicted ``MARGIN``
 faster: on a link fast enough for that, accuracy is cheap. Where the candidate has a sibling with the gradient in
 full precision (hybrid-q's is hybrid) that is predicted no slower than the INT8 one, it gets that.
+
+The model cannot see how much communication hides behind compute, and on fast links its predictions were 10-30 %
+off, the wrong way round as often as not (docs/results/2026-11-27-hybrid-sharding.md). So the prediction only orders
+the candidates and rules out the clearly slower ones; :mod:`hf_zeropp.auto_trial` times the rest on the model's own
+first batch and keeps the fastest. The rule above decides alone where that trial cannot run.
 """
 
 from __future__ import annotations
@@ -200,39 +205,64 @@ def step_traffic(config: ZeroPPConfig, topology: Topology, parameters: int, trai
                        parameters * 2.0 + trainable * 2.0, trainable / world)
 
 
-def pick(predicted: dict[str, float]) -> str:
-    """The candidate to take, given the predicted step times of those that fit: the fastest, unless it is not
-    ``MARGIN`` faster than ZeRO-3 (the model's error where communication hides behind compute); and a quantized one
-    with INT8 gradients unless INT4 is predicted ``MARGIN`` faster than that, or in full precision where that is
-    predicted no slower than INT8."""
-    best = min(predicted, key=predicted.get)
-    if predicted[best] > (1 - MARGIN) * predicted["zero3"]:
+def pick(seconds: dict[str, float], margin: float = MARGIN) -> str:
+    """The candidate to take, given the step times (predicted, or measured by the trial) of those that fit: the
+    fastest, unless it is not ``margin`` faster than ZeRO-3 (the error of those times); and a quantized one with INT8
+    gradients unless INT4 is ``margin`` faster than that, or in full precision where that is no slower than INT8.
+    A candidate missing from ``seconds`` (ruled out before it was timed) is never taken."""
+    best = min(seconds, key=seconds.get)
+    if "zero3" in seconds and seconds[best] > (1 - margin) * seconds["zero3"]:
         return "zero3"
     wider = WIDER.get(best)
-    if wider not in predicted or predicted[best] <= (1 - MARGIN) * predicted[wider]:
+    if wider not in seconds or seconds[best] <= (1 - margin) * seconds[wider]:
         return best
     full = FULL_PRECISION.get(wider)
-    return full if full in predicted and predicted[full] <= predicted[wider] else wider
+    return full if full in seconds and seconds[full] <= seconds[wider] else wider
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What the probe and the model decided when sharding started, for :mod:`hf_zeropp.sharding` and the trial."""
+
+    configs: dict[str, ZeroPPConfig]  # every candidate that fits, resolved with the user's kept options
+    predicted: dict[str, float]  # their predicted seconds per step (empty where nothing was probed)
+    optimizer_step: dict[str, float]  # the predicted optimizer step inside ``predicted``, which the trial adds
+    choice: str  # the prediction's pick: what the model is sharded as where no trial runs
+    reasoning: str  # what was measured and predicted, and why ``choice``
+
+    @property
+    def line(self) -> str:
+        """The prediction's choice and why, as rank 0 prints it and ``comm_stats`` records it."""
+        return f"auto: {self.choice} ({self.reasoning})"
+
+    @property
+    def trial_candidates(self) -> list[str]:
+        """The candidates a trial would time, the predicted fastest first."""
+        return sorted(self.predicted, key=self.predicted.get)
 
 
 def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
-           units: int) -> tuple[ZeroPPConfig, str]:
-    """The resolved config for ``shard_group: auto`` and one line saying what was chosen and why (a collective)."""
+           units: int) -> AutoPlan:
+    """The candidates for ``shard_group: auto``, their predicted step times and the prediction's pick (a
+    collective: every rank probes, rank 0's pick is broadcast)."""
     keep = {f: getattr(config, f) for f in AUTO_KEEPS}
+    configs = {name: ZeroPPConfig.from_dict({**options, **keep}) for name, options in CANDIDATES.items()}
 
-    def resolved(name: str) -> ZeroPPConfig:
-        return ZeroPPConfig.from_dict({**CANDIDATES[name], **keep})
+    def unprobed(why: str) -> AutoPlan:
+        return AutoPlan({"zero3": configs["zero3"]}, {}, {}, "zero3", why)
 
     if topology.nodes == 1:
-        return resolved("zero3"), "auto: zero3 (a single node: no link between nodes to save bytes on)"
+        return unprobed("a single node: no link between nodes to save bytes on")
     if os.environ.get(PROBE_ENV, "1") == "0":
-        return resolved("zero3"), f"auto: zero3 (the link probe is off: {PROBE_ENV}=0)"
+        return unprobed(f"the link probe is off: {PROBE_ENV}=0")
     links = probe_links(topology, device)
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fits = hybrid_fits(model, topology, device)[0]
-    predicted = {name: links.seconds(step_traffic(resolved(name), topology, parameters, trainable, units))
-                 for name in CANDIDATES if fits or not name.startswith("hybrid")}
+    configs = {name: c for name, c in configs.items() if fits or c.shard_group != "node"}
+    traffic = {name: step_traffic(c, topology, parameters, trainable, units) for name, c in configs.items()}
+    predicted = {name: links.seconds(t) for name, t in traffic.items()}
+    optimizer_step = {name: t.updated * links.update_seconds_per_element for name, t in traffic.items()}
     names = list(CANDIDATES)
     choice = torch.tensor([names.index(pick(predicted))], device=device)
     dist.broadcast(choice, src=0)  # identical numbers on every rank; rank 0's word is final all the same
@@ -246,10 +276,10 @@ def choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: t
                    f"{WIDER[fastest]}, and {best} no slower than that")
     alternatives = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in sorted(predicted.items(),
                                                                                          key=lambda kv: kv[1]))
-    return resolved(best), (
-        f"auto: {best} (predicted communication, quantization and optimizer step per step: {alternatives}; links "
+    return AutoPlan(configs, predicted, optimizer_step, best, (
+        f"predicted communication, quantization and optimizer step per step: {alternatives}; links "
         f"measured: intra-node {links.intra_rate / 1e6:.0f} MB/s + {links.intra_latency * 1e3:.2f} ms per call, "
         f"inter-node {links.inter_rate / 1e6:.0f} MB/s + {links.inter_latency * 1e3:.2f} ms per call; with every "
         f"rank at work, {links.quantize_seconds_per_element * 1e9:.1f} ns per element to quantize and dequantize, "
         f"{links.update_seconds_per_element * 1e9:.1f} ns per parameter for an AdamW step"
-        + widened + ("" if fits else "; hybrid left out: the states do not fit a node") + ")")
+        + widened + ("" if fits else "; hybrid left out: the states do not fit a node")))

@@ -23,6 +23,13 @@ from .hpz import reshard_all
 # a frozen weight now stored INT8): lets an optimizer built before sharding be pointed at the shards, and lets the
 # optimizer-step guard below recognise one that was not.
 _replaced: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
+# ids of replaced parameters that an optimizer was right to hold: auto sharded their model only at its first forward
+# (hf_zeropp.auto_trial), after the optimizer was built on them as documented. Pointed at the shards, not refused.
+_rebound_at_step: set[int] = set()
+# optimizers rebind_optimizer has seen (every one hf_zeropp.Accelerator.prepare was given): pointed at the shards as
+# soon as a model is sharded late, so that a gradient scaler's unscale or a clip over their parameters before the step
+# sees the shards
+_prepared: weakref.WeakSet = weakref.WeakSet()
 
 
 def remember_replaced_parameters(before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:
@@ -31,8 +38,21 @@ def remember_replaced_parameters(before: dict[str, nn.Parameter], after: dict[st
         if new is old:
             continue
         key = id(old)
-        _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)),
-                          weakref.ref(new) if new is not None else None)
+
+        def forget(_: weakref.ref, key: int = key) -> None:
+            _replaced.pop(key, None)
+            _rebound_at_step.discard(key)
+
+        _replaced[key] = (weakref.ref(old, forget), weakref.ref(new) if new is not None else None)
+
+
+def rebind_after_late_sharding(before: list[nn.Parameter]) -> None:
+    """``before`` (a model's parameters) were just replaced by shards after optimizers may have been built on them
+    (``zeropp: auto`` shards at the first forward): point every optimizer prepared by hf_zeropp at the shards now,
+    and any other at its next step instead of refusing it."""
+    _rebound_at_step.update(id(param) for param in before if id(param) in _replaced)
+    for optimizer in list(_prepared):
+        rebind_optimizer(optimizer)
 
 
 def _replacement(param: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
@@ -60,6 +80,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
             if new is not None:
                 params.append(new)
         group["params"] = params
+    _prepared.add(optimizer)
 
 
 _hooks_installed = False
@@ -82,6 +103,8 @@ def install_optimizer_hooks() -> None:
     def refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not _replaced:
             return
+        if any(id(param) in _rebound_at_step for group in optimizer.param_groups for param in group["params"]):
+            rebind_optimizer(optimizer)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 replaced, new = _replacement(param)
@@ -119,4 +142,5 @@ def watch_parameters(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
         param._zeropp_model = weakref.ref(model)
 
 
-__all__ = ["install_optimizer_hooks", "rebind_optimizer", "remember_replaced_parameters", "watch_parameters"]
+__all__ = ["install_optimizer_hooks", "rebind_after_late_sharding", "rebind_optimizer", "remember_replaced_parameters",
+           "watch_parameters"]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ._compat import fsdp_param_groups, group_gathered_bytes, group_parameters
+from .auto_trial import current_meter, is_pending
 from .frozen import frozen_weight_bytes, held_weight_bytes
 from .hpz import set_hpz
 from .state import fsdp_modules, zeropp_state
@@ -23,7 +24,7 @@ def comm_stats(model: nn.Module, reset: bool = False) -> dict[str, Any]:
     way it ran in this window (e.g. the 2-hop quantized all-to-all for the gradient reduce-scatter, with the kernel
     backend that ran), plus, per requested technique this launch cannot apply, why.
     """
-    return zeropp_state(model).meter.stats(reset=reset)
+    return current_meter(model).stats(reset=reset)
 
 
 def set_techniques(model: nn.Module, *, quantized_weights: bool | None = None, hpz: bool | None = None,
@@ -65,9 +66,10 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     """Micro-batches inside this context accumulate gradients for a later synchronising backward.
 
     Stage 0 skips the all-reduce and stage 1 the reduce-scatter (and keeps weights gathered); stages 2 and 3
-    reduce-scatter every micro-batch as ZeRO-2/3 do, so their gradients stay sharded.
+    reduce-scatter every micro-batch as ZeRO-2/3 do, so their gradients stay sharded. A model awaiting auto's
+    trial is left as it is: every candidate is stage 3.
     """
-    stage = zeropp_state(model).config.stage
+    stage = 3 if is_pending(model) else zeropp_state(model).config.stage
     if stage not in (0, 1):
         yield
         return

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
 
 from ._compat import apply_activation_checkpointing, no_split_modules, set_unshard_async_op
 from .auto import choose as choose_configuration
+from .auto_trial import start_trial
 from .comm_meter import CommMeter
 from .config import ZeroPPConfig
 from .frozen import quantize_frozen_weights
@@ -57,29 +58,22 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     on every rank, or real on rank 0 only (:mod:`hf_zeropp.materialize`). A ``*_until`` schedule is refused unless
     ``runs_schedule`` (the Trainer integration applies it). ``frozen=True`` (an RLHF reference or reward model)
     freezes every parameter first: no gradients or optimizer state, matrices stored INT8 with
-    ``quantized_nontrainable_weights``. The steps, in order: docs/api.md, ``shard_model``."""
+    ``quantized_nontrainable_weights``. Under ``shard_group: auto`` on several nodes the model comes back unsharded
+    and is sharded at its first forward, once that has timed the candidates (:mod:`hf_zeropp.auto_trial`). The
+    steps, in order: docs/api.md, ``shard_model``."""
     config = ZeroPPConfig.coerce(config)
     topology, device, has_blocks = _check_before_any_collective(model, config, device, runs_schedule)
     if frozen:  # after the checks: a refused call leaves the model as it was
         model.requires_grad_(False)
-    choice = None
-    if config.shard_group == "auto":  # probe the links, then shard as the chosen preset
-        config, topology, device, has_blocks, choice = _choose(model, config, topology, device, runs_schedule)
-    meter = CommMeter(topology)
-    if choice:
-        meter.conditions["auto"] = choice
+    meter = None
+    if config.shard_group == "auto":  # probe the links; shard as the chosen preset, or at the first forward's trial
+        chosen = _choose(model, config, topology, device, runs_schedule, frozen)
+        if chosen is None:
+            return model
+        config, topology, device, has_blocks, meter = chosen
+    meter = meter or CommMeter(topology)
     original_class, before = type(model), dict(model.named_parameters())
-    placement = agree_on_placement(model, topology)
-    rank0_state = model.state_dict() if placement == RANK0 and topology.rank == 0 else {}  # references, not copies
-    if loading_description(model, placement):
-        meter.conditions["loading"] = loading_description(model, placement)
-    if placement == REAL:
-        _make_replicas_equal(model, topology, device)
-    if config.quantized_nontrainable_weights:
-        quantize_frozen_weights(model, topology, meter, config.weight_bits, config.block_size,
-                                _DTYPES[config.mixed_precision],
-                                frozen_weight_source(model, placement, topology, device, rank0_state),
-                                backend=config.kernel_backend)
+    placement, rank0_state = _place_weights(model, config, topology, device, meter)
     units = _apply_fsdp_units(model, config, topology, device, frozen)
     model.__class__ = _zeropp_class(type(model), original_class)
     fill_shards(model, placement, rank0_state, topology, device)
@@ -91,6 +85,24 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     attach(model, state)
     report_what_will_not_run_as_asked(model, state, has_blocks)
     return model
+
+
+def _place_weights(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
+                   meter: CommMeter) -> tuple[str, dict[str, torch.Tensor]]:
+    """Agree on where the weights are (:mod:`hf_zeropp.materialize`), give real replicas rank 0's values and store
+    frozen matrices INT8 if asked; returns the placement and, on rank 0 of a rank-0 load, its state dict."""
+    placement = agree_on_placement(model, topology)
+    rank0_state = model.state_dict() if placement == RANK0 and topology.rank == 0 else {}  # references, not copies
+    if loading_description(model, placement):
+        meter.conditions["loading"] = loading_description(model, placement)
+    if placement == REAL:
+        _make_replicas_equal(model, topology, device)
+    if config.quantized_nontrainable_weights:
+        quantize_frozen_weights(model, topology, meter, config.weight_bits, config.block_size,
+                                _DTYPES[config.mixed_precision],
+                                frozen_weight_source(model, placement, topology, device, rank0_state),
+                                backend=config.kernel_backend)
+    return placement, rank0_state
 
 
 def _check_before_any_collective(model: nn.Module, config: ZeroPPConfig, device: torch.device | str | None,
@@ -114,14 +126,23 @@ def _check_before_any_collective(model: nn.Module, config: ZeroPPConfig, device:
     return topology, device, has_blocks
 
 
-def _choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device, runs_schedule: bool
-            ) -> tuple[ZeroPPConfig, Topology, torch.device, bool, str]:
-    """``shard_group: auto``: probe the links (:mod:`hf_zeropp.auto`), say on rank 0 what was chosen and why, and
-    check the chosen config as any other before its first collective."""
-    config, choice = choose_configuration(model, config, topology, device, len(_units(model, config.wrap_modules)))
+def _choose(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device, runs_schedule: bool,
+            frozen: bool) -> tuple[ZeroPPConfig, Topology, torch.device, bool, CommMeter] | None:
+    """``shard_group: auto``: probe the links and predict (:mod:`hf_zeropp.auto`); then either leave the model to
+    its first forward's trial (None), or say on rank 0 what was chosen and why and check the chosen config as any
+    other before its first collective (its meter records the choice)."""
+    plan = choose_configuration(model, config, topology, device, len(_units(model, config.wrap_modules)))
+    line = start_trial(model, plan, shard_model, topology, device, runs_schedule, frozen)
+    if line is None:  # the twins the trial times share these weights: rank 0's, on the device, before any is built
+        _make_replicas_equal(model, topology, device)
+        return None
     if topology.rank == 0:
-        print(f"hf_zeropp {choice}", flush=True)
-    return (config, *_check_before_any_collective(model, config, device, runs_schedule), choice)
+        print(f"hf_zeropp {line}", flush=True)
+    config = plan.configs[plan.choice]
+    topology, device, has_blocks = _check_before_any_collective(model, config, device, runs_schedule)
+    meter = CommMeter(topology)
+    meter.conditions["auto"] = line
+    return config, topology, device, has_blocks, meter
 
 
 def _make_replicas_equal(model: nn.Module, topology: Topology, device: torch.device) -> None:

@@ -24,13 +24,13 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from ._compat import TrainerHooks, extend_valid_dict_fields, trainer_accelerator_class, trainer_save
 from .accelerate_integration import Accelerator, is_sharded
+from .auto_trial import current_meter
 from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_checkpoint, save_checkpoint
 from .config import SCHEDULED_TECHNIQUES, ZeroPPConfig
 from .full_state import load_pretrained_in_slices
 from .hf_checkpoint import write_pretrained, writes_per_rank
 from .materialize import attach_checkpoint
 from .runtime import active_techniques, comm_stats, set_techniques
-from .state import zeropp_state
 
 
 
@@ -106,7 +106,7 @@ class ZeroPPCallback(TrainerCallback):
             if changes:
                 set_techniques(model, **changes)
         every = self.quantization_error_every
-        zeropp_state(model).meter.track_errors = bool(every) and state.global_step % every == 0
+        current_meter(model).track_errors = bool(every) and state.global_step % every == 0
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if model is None or not is_sharded(model):

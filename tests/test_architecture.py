@@ -24,7 +24,7 @@ LAYERS = [
     {"comm_meter", "hpz", "qgz_payload"},
     {"hybrid"},
     {"auto"},
-    {"qwz", "qgz", "frozen", "full_state", "inference", "state", "optimizer_hooks", "materialize"},
+    {"qwz", "qgz", "frozen", "full_state", "inference", "state", "optimizer_hooks", "materialize", "auto_trial"},
     {"reports", "runtime"},
     {"sharding"},
     {"checkpoint"},

@@ -70,14 +70,21 @@ def test_pick_prefers_the_more_accurate_candidate_unless_the_other_is_margin_fas
     assert pick({**fastest, "zeropp": 0.5, "zeropp int8 gradients": 0.55}) == "zeropp int8 gradients"
     # hybrid left out (does not fit): only what was predicted is taken
     assert pick({"zero3": 1.0, "zeropp": 0.5, "zeropp int8 gradients": 0.9}) == "zeropp"
+    # measured times (the trial's margin), ZeRO-3 ruled out before it was timed
+    assert pick({"zeropp": 0.50, "zeropp int8 gradients": 0.51, "hybrid": 0.6}, margin=0.03) == "zeropp int8 gradients"
+    assert pick({"zeropp": 0.50, "zeropp int8 gradients": 0.52, "hybrid": 0.6}, margin=0.03) == "zeropp"
 
 
 def _choose_with(links: Links | None, free_bytes: float | None, node_size: int):
     """Shard a tiny GPT-2 with preset auto, the probe replaced by ``links`` (None: measure) and the free memory by
-    ``free_bytes``; the chosen config, the comm_stats note, and the losses of 3 steps."""
+    ``free_bytes``, without the trial (the prediction alone decides: tests/test_auto_trial.py times the first batch);
+    the chosen config, the comm_stats note, and the losses of 3 steps."""
+    import os
+
     import torch.distributed as dist
 
     from hf_zeropp import auto, comm_stats, hybrid, shard_model
+    from hf_zeropp.auto_trial import TRIAL_ENV
     from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
 
     probe, free = auto.probe_links, hybrid._free_bytes_per_rank
@@ -85,10 +92,12 @@ def _choose_with(links: Links | None, free_bytes: float | None, node_size: int):
         auto.probe_links = lambda topology, device: links
     if free_bytes is not None:
         hybrid._free_bytes_per_rank = lambda device, ranks: free_bytes
+    os.environ[TRIAL_ENV] = "0"
     try:
         model = shard_model(tiny_gpt2(seed=0), ZeroPPConfig.preset("auto", node_size=node_size))
     finally:
         auto.probe_links, hybrid._free_bytes_per_rank = probe, free
+        del os.environ[TRIAL_ENV]
     state = model._zeropp
     config = state.config
     losses = train(model, make_optimizer(model), range(3), size=4 * dist.get_world_size())
@@ -133,6 +142,7 @@ def test_auto_picks_hybrid_q_on_a_slow_link_and_zeropp_without_room_for_hybrid(a
     assert slow["note"][0].startswith("auto: hybrid-q (predicted communication, quantization and optimizer step per "
                                       "step: hybrid-q ")
     assert slow["losses"] == auto_runs[0]["hybrid-q"], "auto trains exactly as the preset it chose"
+    assert slow["note"][0].endswith("; no trial: ZEROPP_AUTO_TRIAL=0)"), "the prediction decided alone, and says so"
     assert no_room["shard_group"] == "world" and no_room["quantized_weights"] and no_room["quantized_gradients"]
     assert no_room["gradient_bits"] == 8 and no_room["note"][0].startswith("auto: zeropp int8 gradients (")
     assert "hybrid left out: the states do not fit a node" in no_room["note"][0]

@@ -34,14 +34,15 @@ def _accelerate(output: Path, zeropp: str, *extra: str) -> str:
 
 @pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3", "hybrid-q", "auto"])
 def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(tmp_path, preset):
-    """auto probes the links at prepare and says once, on rank 0, which configuration it chose and why."""
+    """auto probes the links at prepare, times the candidates it cannot tell apart on the first batch, and says once,
+    on rank 0, which configuration it chose and why."""
     output = _accelerate(tmp_path, preset, "--steps", "5")
     if preset == "auto":
         from hf_zeropp.auto import CANDIDATES
 
-        choices = re.findall(r"^hf_zeropp auto: (.+?) \(predicted", output, re.MULTILINE)
+        choices = re.findall(r"^hf_zeropp auto: (.+?) \(timed on the first batch", output, re.MULTILINE)
         assert len(choices) == 1 and choices[0] in CANDIDATES, output[-3000:]
-        assert "links measured: intra-node" in output, output[-3000:]
+        assert "the trial took" in output and "links measured: intra-node" in output, output[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, metrics
     assert all(m["inter_node_bytes"] > 0 for m in metrics)

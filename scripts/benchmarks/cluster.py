@@ -59,6 +59,11 @@ the time inside hf_zeropp's all-gather and reduce-scatter hooks (profiler ranges
 ``hf_zeropp.qgz.reduce_scatter``) and inside the ``hf_zeropp::*`` quantization kernel ops within them is read from
 the recorded events (scripts/benchmarks/breakdown.py).
 
+The regime: every row also gets step / max(unshaped step, wire time), the unshaped step being the configuration's
+own on the unshaped link of the same launch (``--links ...,none``), and the header names the CPU and whether it has
+native bf16 (a bf16 run on a CPU without it is compute-bound); the speedup targets are judged where the slower
+configuration is communication-bound (scripts/benchmarks/analysis.py).
+
 Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``. Needs root, ``ip`` and ``tc``.
 The code is in scripts/benchmarks/ (worker, orchestration, analysis, report); this file is the command line.
 """

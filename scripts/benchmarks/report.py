@@ -16,7 +16,7 @@ def _link_label(link: str) -> str:
 def markdown(summary: dict, args) -> str:
     """results.md."""
     first = next(iter(summary["links"].values()))
-    lines = [
+    lines = [*_regime_header(summary, args), "",
         f"GPT-2 from config: n_embd {args.n_embd}, {args.n_layer} layers, {args.n_head} heads, vocab {args.vocab}"
         f"{' (untied output head)' if args.untied else ''}, "
         f"{first['params'] / 1e6:.2f}M parameters; {args.batch_per_rank} x {args.seq_len} tokens per rank, "
@@ -35,9 +35,10 @@ def markdown(summary: dict, args) -> str:
         "meter: its logical bytes are derived from its FSDP2 units with the meter's rule (the same derivation "
         "applied to ZeRO-3 matches ZeRO-3's meter; see results.json derived_vs_meter).",
         "",
-        "| link | config | step s (p25–p75) | tokens/s | vs FSDP2 | vs ZeRO-3 | logical inter (MB/step, all ranks) "
-        "| expected wire (MB/node/step) | measured wire (MB/node/step) | meter vs counter | link efficiency |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| link | config | step s (p25–p75) | step / max(unshaped, wire) | tokens/s | vs FSDP2 | vs ZeRO-3 "
+        "| logical inter (MB/step, all ranks) | expected wire (MB/node/step) | measured wire (MB/node/step) "
+        "| meter vs counter | link efficiency |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for link, data in summary["links"].items():
         for name, row in data["rows"].items():
@@ -47,6 +48,7 @@ def markdown(summary: dict, args) -> str:
             error = row.get("wire_error")
             cells = [_link_label(link), name,
                      f"{row['median_step_s']:.3f} ({row['p25_step_s']:.2f}–{row['p75_step_s']:.2f})",
+                     f"{row['bound_ratio']:.2f} ({row['bound']})" if "bound_ratio" in row else "-",
                      f"{row['tokens_per_s']:.0f}",
                      f"{row['speedup_vs_fsdp2']:.2f}x" if "speedup_vs_fsdp2" in row else "-",
                      f"{row['speedup_vs_zero3']:.2f}x" if "speedup_vs_zero3" in row else "-",
@@ -62,7 +64,13 @@ def markdown(summary: dict, args) -> str:
         lines += [f"* {name}: {reason}" for name, reason in not_run.items()]
     lines += ["", "Targets (ratios from the same launch per link):", ""]
     for t in summary["targets"]:
-        lines.append(f"* {'MET' if t['met'] else 'MISSED'}: {t['target']} — {t['value']}")
+        verdict = {True: "MET", False: "MISSED", None: "NOT EVALUATED"}[t["met"]]
+        lines.append(f"* {verdict}: {t['target']} — {t['value']}")
+    choices = {link: (data.get("implementations") or {}).get("auto") for link, data in summary["links"].items()}
+    choices = {link: note for link, note in choices.items() if note and note.get("auto")}
+    if choices:
+        lines += ["", "What auto chose, and why (rank 0's comm_stats at the end of the run):", ""]
+        lines += [f"* {_link_label(link)}: {note['auto'][0]}" for link, note in choices.items()]
     kernel_rows = []
     for link, data in summary["links"].items():
         rows = data["rows"]
@@ -115,6 +123,26 @@ def markdown(summary: dict, args) -> str:
             lines.append(f"| (barriers around a window, bytes) | - | "
                          f"{' / '.join(str(b) for b in probe['barriers only']['node_tx_payload_bytes'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _regime_header(summary: dict, args) -> list[str]:
+    """Which floor each step sits on, and whether this CPU computes bf16 natively (the measure between machines
+    is the ratio to the floor; ratios between configurations shrink where they sit on the compute floor)."""
+    cpu = summary.get("machine") or {}
+    native = cpu.get("native_bf16")
+    lines = [f"Machine: {cpu.get('cpu', 'unknown CPU')}; native bf16: "
+             + {True: f"yes ({', '.join(cpu.get('bf16_flags', []))})", False: "no", None: "unknown"}[native] + "."]
+    if args.precision == "bf16" and native is False:
+        lines.append("This is a bf16 run on a CPU without native bf16: its products are emulated, so every "
+                     "configuration is compute-bound (on an AVX2 EPYC the compute took 5-8x the fp32 step) and the "
+                     "ratios between configurations shrink; read the regime column, or run fp32.")
+    lines.append("Regime: step / max(unshaped step, wire time), with the larger of the two in brackets (compute: "
+                 "the same configuration's step on the unshaped link of this launch; wire: the busiest node's "
+                 "measured bytes at the link rate). 1.00 is the floor on this machine; unlike a ratio between "
+                 "configurations it does not move with the CPU's speed.")
+    if "none" not in summary["links"]:
+        lines.append("This launch ran no unshaped link (--links ...,none), so the regime column is empty.")
+    return lines
 
 
 def chart(summary: dict, path: Path) -> None:
