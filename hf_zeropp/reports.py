@@ -1,6 +1,8 @@
 """The warnings :func:`hf_zeropp.shard_model` gives once, on rank 0, when what was asked for is not what will run —
 each also recorded in ``comm_stats()["implementations"]``: a requested technique this launch cannot apply, a kernel
-format that falls back to its plain-torch specification, a model whose layers do not become FSDP units."""
+format that falls back to its plain-torch specification, a model whose layers do not become FSDP units. The FSDP
+settings a launch or TrainingArguments gave (:mod:`hf_zeropp.fsdp_settings`, which warned where it read them) are
+recorded there too."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import warnings
 from torch import nn
 
 from ._compat import no_split_modules
+from .fsdp_settings import remembered
 from .state import ZeroPPState
 
 
@@ -16,6 +19,7 @@ def report_what_will_not_run_as_asked(model: nn.Module, state: ZeroPPState, has_
     _report_techniques_that_cannot_apply(state)
     _report_width_format_without_kernel(state)
     _report_whole_model_as_one_unit(model, state, has_blocks)
+    _record_fsdp_settings(state)
 
 
 def _report_techniques_that_cannot_apply(state: ZeroPPState) -> None:
@@ -88,6 +92,20 @@ def _report_whole_model_as_one_unit(model: nn.Module, state: ZeroPPState, has_bl
     if topology.rank == 0:
         warnings.warn(f"hf_zeropp: {reason}. Set {fix} in ZeroPPConfig to shard it layer by layer",
                       stacklevel=4)
+
+
+def _record_fsdp_settings(state: ZeroPPState) -> None:
+    """Which options the process's FSDP settings gave the model (``fsdp_settings``), and each setting that does not
+    run as under Accelerate's FSDP (an ignored key, a checkpoint format), under its own ``key=value``."""
+    settings = remembered()
+    if settings is None:
+        return
+    taken = [f"{option}={value!r} ({settings.stated_by[option]})"
+             for option, value in {**settings.implied, **settings.options}.items()
+             if getattr(state.config, option) == value]  # an implied option the hf_zeropp config set is not taken
+    state.meter.conditions["fsdp_settings"] = f"from {settings.where}: {', '.join(taken) or 'no option'}"
+    for setting, why in settings.warnings.items():
+        state.meter.conditions[setting] = f"{settings.where}: {why}"
 
 
 __all__ = ["report_what_will_not_run_as_asked"]

@@ -154,6 +154,8 @@ TRAINER_ARGS = ("--max_steps", "6", "--per_device_train_batch_size", "2", "--gra
                 "--learning_rate", "1e-2", "--adam_epsilon", "1e-6", "--max_grad_norm", "1.0", "--eval_strategy",
                 "steps", "--eval_steps", "3", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
                 "--use_cpu", "--seed", "0")
+TRAINER_FSDP_CONFIG = {"transformer_layer_cls_to_wrap": ["GPT2Attention", "GPT2MLP"], "activation_checkpointing": True,
+                       "use_orig_params": True}
 DEEPSPEED_ZEROPP = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
                                           "zero_quantized_gradients": True},
                     "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}
@@ -195,8 +197,10 @@ def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
                       *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
     # two machines of 2 ranks: the node size comes from the launch itself
     _launch_on_two_machines(script, "--output_dir", str(work / "two_machines"), "--zeropp", "zeropp", *TRAINER_ARGS)
-    names = ("stock", "zero3", "deepspeed", "accelerate_deepspeed", "two_machines")
-    return {name: _logs(work / name) for name in names} | {"work": work}
+    fsdp = _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "fsdp"), *TRAINER_ARGS,
+                             "--fsdp", "full_shard auto_wrap", "--fsdp_config", json.dumps(TRAINER_FSDP_CONFIG))
+    names = ("stock", "zero3", "deepspeed", "accelerate_deepspeed", "two_machines", "fsdp")
+    return {name: _logs(work / name) for name in names} | {"work": work, "fsdp_output": fsdp}
 
 
 def test_trainer_script_with_zeropp_zero3_equals_stock_ddp(trainer_runs):
@@ -215,6 +219,21 @@ def test_trainer_script_with_zeropp_zero3_equals_stock_ddp(trainer_runs):
     logits = {name: GPT2LMHeadModel.from_pretrained(trainer_runs["work"] / name)(input_ids=ids).logits
               for name in ("stock", "zero3")}
     assert torch.allclose(logits["zero3"], logits["stock"], rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_fsdp_flags_run_on_hf_zeropp_with_their_units_and_equal_stock(trainer_runs):
+    """``--fsdp "full_shard auto_wrap" --fsdp_config {...}`` under the launcher: the FSDP settings become hf_zeropp
+    options (zero3 on the listed classes, with activation checkpointing) instead of Accelerate's FSDP plugin, and the
+    Trainer's losses, gradient norms and evaluation losses equal the stock run's to 1e-6 (stock Accelerate runs its
+    FSDP plugin as DDP on CPU, the run above). The keys that change nothing, and the checkpoint format that differs
+    from FSDP's FULL_STATE_DICT (the Trainer's default), are said once, by rank 0."""
+    stock, ours = trainer_runs["stock"], trainer_runs["fsdp"]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert _close(_series(ours, key), _series(stock, key), EXACT), (key, _series(ours, key), _series(stock, key))
+    assert ours[0]["zeropp/fwd_allgather_intra_node_bytes"] > 0
+    output = trainer_runs["fsdp_output"]
+    assert output.count("use_orig_params=True in TrainingArguments' fsdp and fsdp_config: ignored") == 1
+    assert output.count("state_dict_type=FULL_STATE_DICT in TrainingArguments' fsdp and fsdp_config") == 1
 
 
 def test_load_in_slices_loads_the_scripts_pretrained_model_on_meta_and_equals_stock(tmp_path):
@@ -404,10 +423,10 @@ def test_bad_input_is_one_line_before_any_worker_starts(tmp_path, capsys):
     line = _refused(capsys, "--config_file", _write_yaml(tmp_path / "a.yaml", zeropp={"stage": 3, "qwz": True}),
                     script)
     assert "unknown hf_zeropp option(s) ['qwz']" in line
-    line = _refused(capsys, "--config_file", _write_yaml(tmp_path / "b.yaml", distributed_type="FSDP"), script)
-    assert "distributed_type FSDP conflicts" in line
-    line = _refused(capsys, "--config_file", str(STOCK_CPU), "--use_fsdp", script)
-    assert "distributed_type FSDP conflicts" in line
+    line = _refused(capsys, "--config_file", _write_yaml(tmp_path / "b.yaml", distributed_type="MEGATRON_LM"), script)
+    assert "distributed_type MEGATRON_LM conflicts" in line
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), "--use_megatron_lm", script)
+    assert "distributed_type MEGATRON_LM conflicts" in line
     line = _refused(capsys, "--config_file", _write_yaml(
         tmp_path / "c.yaml", distributed_type="DEEPSPEED",
         deepspeed_config={"zero_stage": 3, "offload_optimizer_device": "cpu"}), script)
