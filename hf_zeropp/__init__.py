@@ -4,6 +4,8 @@ for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSp
 from .accelerate_integration import Accelerator
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
 from .config import PRESETS, ZeroPPConfig
+from .deepspeed_convert import convert_deepspeed_checkpoint, export_deepspeed_universal
+from .deepspeed_restore import load_deepspeed_checkpoint
 from .failure_report import install as _report_failures_to_the_launcher
 from .inference import gathered_for_inference
 from .materialize import from_pretrained
@@ -32,11 +34,14 @@ __all__ = [
     "ZeroPPTrainingArguments",
     "active_techniques",
     "comm_stats",
+    "convert_deepspeed_checkpoint",
+    "export_deepspeed_universal",
     "from_pretrained",
     "gathered_for_inference",
     "gathered_parameter_bytes",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_deepspeed_checkpoint",
     "no_sync",
     "save_checkpoint",
     "save_pretrained",

@@ -4,6 +4,8 @@
   import hf_zeropp with ZeRO++ (:mod:`hf_zeropp.launch`).
 - ``hf-zeropp env [--zeropp CONFIG] [--world N --node-size D]``: versions, kernel backends, the config and the
   topology this launch would get — everything a bug report needs, without starting any process group.
+- ``hf-zeropp from-deepspeed SOURCE OUTPUT`` / ``hf-zeropp to-deepspeed SOURCE OUTPUT``: a DeepSpeed checkpoint into
+  an hf_zeropp one, and an hf_zeropp checkpoint into DeepSpeed's universal format (:mod:`hf_zeropp.deepspeed_convert`).
 """
 
 from __future__ import annotations
@@ -72,7 +74,27 @@ def main(argv: list[str] | None = None) -> int:
     env_parser.add_argument("--zeropp", default=None, help="preset, config file or JSON dict (default: ZEROPP_* environment)")
     env_parser.add_argument("--world", type=int, default=None, help="world size (default: WORLD_SIZE or 1)")
     env_parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the launcher's, e.g. LOCAL_WORLD_SIZE)")
+    from_ds = sub.add_parser("from-deepspeed", help="convert a DeepSpeed checkpoint (ZeRO-1/2/3 or universal; a Trainer "
+                                                    "checkpoint-N folder too) into an hf_zeropp checkpoint")
+    from_ds.add_argument("source", help="a save_checkpoint folder (with 'latest'), a tag folder, or checkpoint-N")
+    from_ds.add_argument("output", help="the hf_zeropp checkpoint folder to write")
+    from_ds.add_argument("--tag", default=None, help="the DeepSpeed tag to read (default: the one 'latest' names)")
+    to_ds = sub.add_parser("to-deepspeed", help="export an hf_zeropp checkpoint as a DeepSpeed universal checkpoint "
+                                                "(resume it with \"checkpoint\": {\"load_universal\": true})")
+    to_ds.add_argument("source", help="an hf_zeropp checkpoint folder, or a Trainer checkpoint-N folder")
+    to_ds.add_argument("output", help="the folder to write global_step<N>/ and latest_universal into")
     args = parser.parse_args(argv)
+    if args.command in ("from-deepspeed", "to-deepspeed"):
+        from .deepspeed_convert import convert_deepspeed_checkpoint, export_deepspeed_universal
+
+        try:
+            written = (convert_deepspeed_checkpoint(args.source, args.output, tag=args.tag)
+                       if args.command == "from-deepspeed" else export_deepspeed_universal(args.source, args.output))
+        except (ValueError, FileNotFoundError) as error:  # a bad checkpoint: one line naming the file, no traceback
+            print(f"hf-zeropp {args.command}: error: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {written}")
+        return 0
     return env(args.zeropp, args.world, args.node_size)
 
 

@@ -27,6 +27,8 @@ from ._compat import accelerator_models, accelerator_optimizers, accelerator_reg
 from .auto_trial import is_pending
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroPPConfig
+from .deepspeed_checkpoint import is_deepspeed_checkpoint
+from .deepspeed_restore import load_accelerator_state_from_deepspeed
 from .full_state import consolidated_state_dict
 from .hpz import reshard_all
 from .optimizer_hooks import rebind_optimizer
@@ -227,6 +229,11 @@ class Accelerator(accelerate.Accelerator):
                 handle.remove()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """Also a folder DeepSpeed wrote (``save_checkpoint``, or ``save_state`` under DeepSpeed): its fp32 weights,
+        optimizer, scheduler and loss scale go into the prepared model (:mod:`hf_zeropp.deepspeed_restore`)."""
+        if input_dir is not None and is_deepspeed_checkpoint(input_dir):
+            load_accelerator_state_from_deepspeed(self, input_dir, load_kwargs, **kwargs)
+            return
         with self._without_sharded() as sharded:
             def load_shards(models, directory):
                 for index, model, optimizers in sharded:

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .deepspeed_checkpoint import is_deepspeed_checkpoint
 from .full_state import consolidated_state_dict
 from .hf_checkpoint import MAX_SHARD_SIZE, write_pretrained, writes_per_rank
 from .hpz import reshard_all
@@ -190,6 +191,11 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     """Restore a checkpoint written by :func:`save_checkpoint` (any world size); returns its metadata."""
     directory = Path(directory)
     meta_path = directory / META_FILE
+    if not meta_path.is_file() and is_deepspeed_checkpoint(directory):
+        raise FileNotFoundError(
+            f"{str(directory)!r} is a DeepSpeed checkpoint, not an hf_zeropp one: resume it with "
+            f"hf_zeropp.load_deepspeed_checkpoint (weights, optimizer and scheduler), or convert it once with "
+            f"`hf-zeropp from-deepspeed`")
     if not meta_path.is_file():
         raise FileNotFoundError(
             f"{str(directory)!r} is not a complete hf_zeropp checkpoint (no {META_FILE}); "

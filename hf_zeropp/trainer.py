@@ -27,6 +27,8 @@ from .accelerate_integration import Accelerator, is_sharded
 from .auto_trial import current_meter
 from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_checkpoint, save_checkpoint
 from .config import SCHEDULED_TECHNIQUES, ZeroPPConfig
+from .deepspeed_checkpoint import is_deepspeed_checkpoint
+from .deepspeed_restore import resume_trainer_from_deepspeed
 from .full_state import load_pretrained_in_slices
 from .hf_checkpoint import write_pretrained, writes_per_rank
 from .materialize import attach_checkpoint
@@ -178,6 +180,8 @@ class ZeroPPTrainerMixin(TrainerHooks):
         before the model is prepared. A model that :func:`hf_zeropp.from_pretrained` built on the meta device holds
         no weights to load them into: it reads the checkpoint's files instead, each rank its slices, when it is
         sharded (loading them into meta tensors would silently keep the pretrained weights)."""
+        if is_deepspeed_checkpoint(checkpoint):
+            return  # the weights come with the optimizer state, from DeepSpeed's fp32 partitions (not its 16-bit copy)
         model = model if model is not None else self.model
         if vars(model).get("_zeropp_checkpoint") is not None and not is_sharded(model):
             attach_checkpoint(model, checkpoint)
@@ -242,7 +246,12 @@ class ZeroPPTrainerMixin(TrainerHooks):
                         step=self.state.global_step, include_model=False)
 
     def _zeropp_load_optimizer_and_scheduler(self, checkpoint: str | None, upstream: Any) -> None:
-        """The Trainer's ``_load_optimizer_and_scheduler`` (``upstream``; see :class:`TrainerHooks`)."""
+        """The Trainer's ``_load_optimizer_and_scheduler`` (``upstream``; see :class:`TrainerHooks`). A checkpoint
+        written by DeepSpeed resumes with its fp32 weights, optimizer and scheduler state (which the stock method
+        would skip without a word, finding no ``optimizer.pt``)."""
+        if checkpoint is not None and is_deepspeed_checkpoint(checkpoint):
+            resume_trainer_from_deepspeed(self, checkpoint)
+            return
         if checkpoint is None or not (Path(checkpoint) / TRAINER_OPTIMIZER_DIR).is_dir():
             return upstream(checkpoint)
         if not self._zeropp_sharded():
