@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroPPConfig
 from .deepspeed_checkpoint import is_deepspeed_checkpoint
 from .deepspeed_restore import load_accelerator_state_from_deepspeed
+from .deepspeed_training import DeepSpeedLoop, fill_from_accelerator
 from .full_state import consolidated_state_dict
 from .hpz import reshard_all
 from .optimizer_hooks import rebind_optimizer
@@ -58,6 +60,12 @@ class Accelerator(accelerate.Accelerator):
 
     def __init__(self, *args: Any, zeropp: ZeroPPConfig | str | os.PathLike | dict | None = None,
                  zeropp_runs_schedule: bool = False, **kwargs: Any) -> None:
+        if kwargs.get("fsdp_plugin") is not None:
+            raise ValueError("hf_zeropp.Accelerator shards with FSDP2 itself and does not read a "
+                             "FullyShardedDataParallelPlugin made in the script; put its settings in the Accelerate "
+                             "config's fsdp_config (hf-zeropp launch maps them) or pass zeropp= (wrap_modules, stage, "
+                             "cpu_offload, activation_checkpointing), and drop fsdp_plugin=")
+        zeropp = _deepspeed_plugin_config(zeropp, kwargs)
         config = ZeroPPConfig.coerce(zeropp, argument="zeropp")  # fail on a bad config before any process group work
         if not zeropp_runs_schedule:
             config.refuse_schedule("hf_zeropp.Accelerator")
@@ -86,14 +94,22 @@ class Accelerator(accelerate.Accelerator):
                     f"Accelerator(mixed_precision={self.mixed_precision!r}) disagrees with the hf_zeropp config's "
                     f"mixed_precision={config.mixed_precision!r}; set one of them"
                 )
-        self.zeropp_config = config
+        # a DeepSpeed config's training loop is applied here (optimizer, scheduler, clipping, accumulation, loss
+        # scale); sharding gets the rest of the config
+        self.deepspeed_sections = config.deepspeed_training
+        self.zeropp_config = dataclasses.replace(config, deepspeed_training=None)
+        self.deepspeed_loop: DeepSpeedLoop | None = None
+        self._deepspeed_loop_from_trainer = False
+        self._clipped_this_step = False
         self._evaluation_models: set[int] = set()  # ids of models sharded by prepare_model(evaluation_mode=True)
         self._preparable_again = weakref.WeakSet()  # this accelerator's models that a Trainer prepares again
         if config.mixed_precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            # found-inf must agree across ranks (each holds only its shards); accelerate makes no scaler on CPU
-            self.scaler = ShardedGradScaler(device=self.device.type)
+            # found-inf must agree across ranks (each holds only its shards); accelerate makes no scaler on CPU.
+            # A DeepSpeed config's fp16 section brings DeepSpeed's scaling rule (hysteresis, floor, window)
+            self.scaler = (DeepSpeedLoop(self.deepspeed_sections).loss_scaler(self.device.type)
+                           if self.deepspeed_sections is not None else ShardedGradScaler(device=self.device.type))
             self.native_amp = True  # Accelerate only unscales (before clipping) when native_amp is set
 
     @property
@@ -106,7 +122,11 @@ class Accelerator(accelerate.Accelerator):
         """Accelerate's ``prepare``, with every model sharded by hf_zeropp instead of wrapped in DDP.
 
         Optimizers built on a model's parameters before the model was prepared — in the same call or in an earlier
-        or later one — are pointed at the shards that replaced them (frozen weights stored INT8 are dropped)."""
+        or later one — are pointed at the shards that replaced them (frozen weights stored INT8 are dropped).
+
+        With a DeepSpeed config, the script's ``DummyOptim`` / ``DummyScheduler`` become the config's optimizer and
+        scheduler (:meth:`_apply_deepspeed_loop`), as DeepSpeed's engine builds them."""
+        args, deepspeed_schedulers = self._apply_deepspeed_loop(args)
         for model in (a for a in args if isinstance(a, nn.Module)):
             if model in self._preparable_again:
                 continue  # already sharded by this accelerator: returned as it is, as stock Accelerate does
@@ -121,7 +141,73 @@ class Accelerator(accelerate.Accelerator):
             self._evaluation_models.discard(id(model))
         for optimizer in (a for a in args if isinstance(a, torch.optim.Optimizer)):
             rebind_optimizer(optimizer)
-        return super().prepare(*args, device_placement=device_placement)
+            clips = self.deepspeed_loop is not None and self.deepspeed_loop.gradient_clipping
+            if clips and not getattr(optimizer, "_zeropp_clips_as_deepspeed", False):
+                optimizer.register_step_pre_hook(self._clip_as_deepspeed)
+                optimizer._zeropp_clips_as_deepspeed = True
+        prepared = super().prepare(*args, device_placement=device_placement)
+        for wrapped in prepared if isinstance(prepared, tuple) else (prepared,):
+            if getattr(wrapped, "scheduler", None) in deepspeed_schedulers:
+                wrapped.split_batches = True  # DeepSpeed's engine steps its scheduler once per optimizer step
+        return prepared
+
+    # ------------------------------------------------------------------ DeepSpeed's training loop
+
+    def use_deepspeed_loop(self, loop: DeepSpeedLoop | None) -> None:
+        """The DeepSpeed training loop as the Trainer fills it (from TrainingArguments, as Transformers does; None
+        until ``train()`` knows the number of steps): ``prepare`` then fills nothing itself, also for the models a
+        Trainer prepares before training (TRL's reference models)."""
+        self.deepspeed_loop, self._deepspeed_loop_from_trainer = loop, True
+
+    def _apply_deepspeed_loop(self, args: tuple) -> tuple[tuple, set]:
+        """Fill the DeepSpeed config's "auto" values as Accelerate does, adopt its accumulation steps, and put the
+        config's optimizer and scheduler in place of the script's ``DummyOptim`` / ``DummyScheduler`` (or the
+        scheduler its ``lr_scheduler_callable`` builds). Returns the arguments and the schedulers to step once per
+        optimizer step."""
+        from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
+
+        if self.deepspeed_sections is None or self._deepspeed_loop_from_trainer:
+            return args, set()
+        optimizer = next((a for a in args if isinstance(a, (torch.optim.Optimizer, DummyOptim))), None)
+        scheduler = next((a for a in args if isinstance(a, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))),
+                         None)
+        if not any(isinstance(a, nn.Module) for a in args) and optimizer is None and scheduler is None:
+            return args, set()
+        sizes = [a.batch_size for a in args if isinstance(a, torch.utils.data.DataLoader) and a.batch_size]
+        loop = fill_from_accelerator(
+            self.deepspeed_sections, gradient_accumulation_steps=self.gradient_accumulation_steps,
+            mixed_precision=self.mixed_precision, num_processes=self.num_processes, split_batches=self.split_batches,
+            micro_batch_size=(max(sizes) // (self.num_processes if self.split_batches else 1)) if sizes else None,
+            optimizer=optimizer, scheduler=scheduler)
+        self.deepspeed_loop = loop
+        if loop.gradient_accumulation_steps != self.gradient_accumulation_steps:
+            warnings.warn(f"Gradient accumulation steps mismatch: the Accelerator has "
+                          f"{self.gradient_accumulation_steps}, the DeepSpeed config has "
+                          f"{loop.gradient_accumulation_steps}. Using DeepSpeed's value, as Accelerate does under "
+                          f"DeepSpeed", stacklevel=3)
+            self.gradient_accumulation_steps = loop.gradient_accumulation_steps
+        replaced, schedulers = {}, set()
+        if isinstance(optimizer, DummyOptim):
+            replaced[id(optimizer)] = real = loop.build_optimizer(list(optimizer.params))
+            if isinstance(scheduler, DummyScheduler):
+                built = (scheduler.lr_scheduler_callable(real) if scheduler.lr_scheduler_callable is not None
+                         else loop.build_scheduler(real))
+                replaced[id(scheduler)] = built
+                schedulers.add(built)
+        return tuple(replaced.get(id(a), a) for a in args), schedulers
+
+    def _clip_as_deepspeed(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Before every optimizer step: clip by the DeepSpeed config's ``gradient_clipping``, as its engine does,
+        unless the script's ``clip_grad_norm_`` already did this step (an fp16 step's gradients are unscaled by now:
+        the scaler calls ``step`` after unscaling)."""
+        if not self._clipped_this_step:
+            clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
+                            self.deepspeed_loop.gradient_clipping)
+        self._clipped_this_step = False
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self._clipped_this_step = False
+        super().backward(loss, **kwargs)
 
     def allow_preparing_again(self, model: nn.Module) -> None:
         """Let a later ``prepare`` of ``model``, which this accelerator sharded, return it as it is instead of
@@ -164,7 +250,12 @@ class Accelerator(accelerate.Accelerator):
             yield
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Under a DeepSpeed config the config's ``gradient_clipping`` decides, not ``max_norm``: DeepSpeed's engine
+        clips by it (0 or absent: never) and returns the norm whatever the script asked for."""
         parameters = list(parameters)
+        if self.deepspeed_loop is not None:
+            max_norm = self.deepspeed_loop.gradient_clipping or float("inf")
+            self._clipped_this_step = True
         if not any(is_sharded(m) for m in accelerator_models(self)):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         self.unscale_gradients()
@@ -244,6 +335,37 @@ class Accelerator(accelerate.Accelerator):
                 super().load_state(input_dir, load_kwargs, **kwargs)
             finally:
                 handle.remove()
+
+
+def _deepspeed_plugin_config(zeropp: Any, kwargs: dict[str, Any]) -> Any:
+    """A script's ``deepspeed_plugin=DeepSpeedPlugin(...)`` (or a ``deepspeed_plugins`` dict of one) is taken out of
+    ``kwargs``, and its DeepSpeed config becomes the hf_zeropp config, as it replaces the Accelerate config's under
+    DeepSpeed; with ``zeropp`` also given there would be two configs."""
+    plugins = kwargs.pop("deepspeed_plugins", None)
+    plugin = kwargs.pop("deepspeed_plugin", None)
+    if isinstance(plugins, dict):
+        if len(plugins) != 1 or plugin is not None:
+            raise ValueError(f"hf_zeropp trains one model configuration per Accelerator; got DeepSpeed plugins "
+                             f"{sorted(plugins)}: pass one deepspeed_plugin")
+        plugin = next(iter(plugins.values()))
+    elif plugins is not None:
+        plugin = plugins
+    if plugin is None:
+        return zeropp
+    if zeropp is not None:
+        raise ValueError("both zeropp= and deepspeed_plugin= are given; hf_zeropp takes one config: drop one of them")
+    config = dict(plugin.deepspeed_config)
+    config.pop("steps_per_print", None)  # Accelerate's own addition, to silence DeepSpeed's logging
+    launched = os.environ.get("ZEROPP_CONFIG")
+    if launched and int(os.environ.get("RANK", "0")) == 0:
+        sharding = {k: v for k, v in ZeroPPConfig.coerce(None).to_dict().items() if k != "deepspeed_training"}
+        mine = {k: v for k, v in ZeroPPConfig.coerce(config).to_dict().items() if k != "deepspeed_training"}
+        if sharding != mine:
+            changed = sorted(k for k in sharding if sharding[k] != mine[k])
+            warnings.warn(f"the script's DeepSpeedPlugin replaces the launch's hf_zeropp config ({', '.join(changed)} "
+                          f"differ), as a script's plugin replaces the Accelerate config's under DeepSpeed",
+                          stacklevel=3)
+    return config
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import kernels
-from .config import AUTO_KEEPS, ZeroPPConfig
+from .config import ZeroPPConfig
+from .config_rules import AUTO_KEEPS
 from .hybrid import hybrid_fits
 from .presets import PRESETS
 from .topology import Topology

@@ -1,7 +1,7 @@
 """ZeroPPConfig: every knob of hf_zeropp, validated in one place.
 
-Checks that need no process group run when the config is built; checks against the launch (world size, ranks
-per node) run in :meth:`hf_zeropp.topology.Topology.from_config` — still before any collective — so that a bad
+Checks that need no process group run when the config is built (each field against its type here, the rules
+between options in :mod:`hf_zeropp.config_rules`); checks against the launch (world size, ranks per node) run in :meth:`hf_zeropp.topology.Topology.from_config` — still before any collective — so that a bad
 configuration fails on every rank with the same message instead of hanging a job.
 
 Every field carries its documentation (``field(metadata={"doc": ...})``), the subject it belongs to, and, for an
@@ -21,18 +21,13 @@ from typing import Any, Literal
 
 import yaml
 
-from .deepspeed_config import options_from_deepspeed
+from .config_rules import SCHEDULED_TECHNIQUES, check_option_rules
+from .deepspeed_config import check_training_sections, options_from_deepspeed
 from .field_types import (allowed_values, describe, flatten_sections, grouped_table, matches, outside_literal,
                           parse_env)
-from .kernels.reference import MAX_HADAMARD, is_rotation_size
 from .presets import PRESETS
 
-# Block sizes are kept to multiples of 8 so that every block starts 8-element aligned for vectorized kernels.
-BLOCK_ALIGNMENT = 8
 
-# what ``shard_group: auto`` carries into the configuration it chooses (every other option comes from that preset)
-AUTO_KEEPS = ("mixed_precision", "reduce_dtype", "wrap_modules", "activation_checkpointing", "generation_gather",
-              "node_size", "kernel_backend", "block_size", "seed")
 
 # The subjects the options are grouped by, in the order of the fields (and of the README's option table).
 SHARDING = "sharding"
@@ -45,13 +40,12 @@ EXPERIMENTAL = "qgZ experimental options (measured in docs/accuracy.md; in no pr
 LAUNCH = "launch"
 KERNELS = "kernels"
 SCHEDULE = "schedules (Trainer integration only)"
+TRAINING = "training loop of a DeepSpeed config (Trainer and Accelerator integrations)"
 # A config file may group its options under these section keys (flat keys work as well).
 SECTIONS = {"sharding": SHARDING, "weights": QWZ, "hpz": HPZ, "hybrid": HYBRID, "gradients": QGZ, "accuracy": ACCURACY,
-            "experimental": EXPERIMENTAL, "launch": LAUNCH, "kernels": KERNELS, "schedules": SCHEDULE}
+            "experimental": EXPERIMENTAL, "launch": LAUNCH, "kernels": KERNELS, "schedules": SCHEDULE,
+            "training": TRAINING}
 
-# ``*_until`` field -> the technique it switches off (set_techniques' keyword)
-SCHEDULED_TECHNIQUES = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
-                        "quantized_gradients_until": "quantized_gradients"}
 
 
 
@@ -177,6 +171,12 @@ class ZeroPPConfig:
     quantized_gradients_until: float | None = _option(
         None, SCHEDULE, 'as `quantized_weights_until`, for qgZ (0.5 = the paper\'s "qgZ for the first 50 % of '
                         'training")')
+    # ---------------------------------------------------------------- training loop
+    deepspeed_training: dict | None = _option(
+        None, TRAINING, "a DeepSpeed config's optimizer, scheduler, gradient_clipping, gradient_accumulation_steps, "
+                        "train_batch_size, train_micro_batch_size_per_gpu and fp16 loss-scale sections, applied as "
+                        "DeepSpeed applies them (\"auto\" filled as Transformers / Accelerate fill it); set by reading a "
+                        "DeepSpeed config. `shard_model` refuses one holding an optimizer, scheduler or clipping")
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -184,94 +184,9 @@ class ZeroPPConfig:
         if self.extra:
             raise ValueError(f"unknown hf_zeropp option(s) {sorted(self.extra)}; valid options: {_field_names()}")
         self._check_enumerations()
-        for name in ("block_size", "gradient_block_size"):
-            value = getattr(self, name)
-            if value is not None and (value < BLOCK_ALIGNMENT or value % BLOCK_ALIGNMENT):
-                raise ValueError(
-                    f"{name}={value} must be a positive multiple of {BLOCK_ALIGNMENT} (the kernels' alignment), "
-                    f"e.g. {max(BLOCK_ALIGNMENT, -(-value // BLOCK_ALIGNMENT) * BLOCK_ALIGNMENT)}"
-                )
-        self._check_gradient_hadamard()
-        self._check_error_feedback()
-        self._check_bit_allocation()
-        if self.qgz_pipeline_stages < 1:
-            raise ValueError(f"qgz_pipeline_stages={self.qgz_pipeline_stages} must be >= 1")
-        if self.node_size is not None and self.node_size < 1:
-            raise ValueError(f"node_size={self.node_size} must be >= 1 (or None to detect it from the launch)")
-        if isinstance(self.hpz_partition_size, int) and self.hpz_partition_size < 1:
-            raise ValueError(f"hpz_partition_size={self.hpz_partition_size} must be >= 1 (1 turns hpZ off)")
-        for name in SCHEDULED_TECHNIQUES:
-            value = getattr(self, name)
-            if value is not None and not 0 < value <= 1:
-                raise ValueError(f"{name}={value} must be a fraction of max_steps in (0, 1], e.g. 0.5")
-        self._check_stage_supports_options()
-        self._check_hybrid()
-
-    def _check_hybrid(self) -> None:
-        on = [name for name, value in (("quantized_weights", self.quantized_weights),
-                                       ("hpz_partition_size", self.hpz_partition_size != 1),
-                                       ("quantized_gradients", self.quantized_gradients),
-                                       ("hybrid_gradient_bits", self.hybrid_gradient_bits is not None)) if value]
-        if self.shard_group == "auto" and (on or self.stage != 3):
-            raise ValueError(f"shard_group='auto' (preset auto) chooses stage 3 and the techniques itself, but "
-                             f"{', '.join(on) or f'stage={self.stage}'} is set; remove it, or name a preset instead")
-        dropped = [f.name for f in fields(self) if f.name not in (*AUTO_KEEPS, "shard_group")
-                   and getattr(self, f.name) != _default(f)] if self.shard_group == "auto" else []
-        if dropped:
-            raise ValueError(f"shard_group='auto' (preset auto) sets the techniques' options with the configuration "
-                             f"it chooses, but {', '.join(dropped)} is set; remove it, or name a preset instead")
-        if self.shard_group == "world" and "hybrid_gradient_bits" in on:
-            raise ValueError(f"hybrid_gradient_bits={self.hybrid_gradient_bits} quantizes hybrid sharding's all-reduce,"
-                             f" but shard_group='world'; set shard_group: node (preset hybrid-q) or remove it")
-        zero_pp = [name for name in on if name != "hybrid_gradient_bits"]
-        if self.shard_group == "node" and (zero_pp or self.stage == 0):
-            raise ValueError(f"shard_group='node' (hybrid sharding) with {', '.join(zero_pp) or 'stage=0'}: no weights "
-                             f"cross nodes under hybrid sharding, and gradients cross them in its all-reduce (quantize "
-                             f"it with hybrid_gradient_bits); turn it off, or use shard_group: world (ZeRO++)")
-        if self.shard_group == "node" and self.gradient_bit_allocation:
-            raise ValueError("shard_group='node' (hybrid sharding) with gradient_bit_allocation: it acts on qgZ's "
-                             "two-hop all-to-all, which hybrid sharding does not run; its quantized all-reduce "
-                             "(hybrid_gradient_bits) takes gradient_hadamard, stochastic_rounding and "
-                             "gradient_error_feedback. Turn it off, or use shard_group: world with quantized_gradients "
-                             "(ZeRO++)")
-        if self.shard_group == "node" and self.gradient_error_feedback and self.hybrid_gradient_bits is None:
-            raise ValueError("shard_group='node' with gradient_error_feedback but no hybrid_gradient_bits: error "
-                             "feedback compensates the quantization of the cross-node all-reduce, which runs in full "
-                             "precision here; set hybrid_gradient_bits: 4 (preset hybrid-q) or turn it off")
-
-    def _check_gradient_hadamard(self) -> None:
-        size = self.gradient_hadamard
-        if not is_rotation_size(size):
-            raise ValueError(f"gradient_hadamard={size} must be 0 (off) or a power of two up to {MAX_HADAMARD}; "
-                             f"32-128 spreads outliers best, e.g. 64")
-        block = self.gradient_block_size or self.block_size
-        if size and block % size:
-            name = "gradient_block_size" if self.gradient_block_size else "block_size"
-            raise ValueError(f"{name}={block} is not a multiple of gradient_hadamard={size}: a rotation group may "
-                             f"not straddle two quantization blocks; use {name}={-(-block // size) * size}")
-
-    def _check_error_feedback(self) -> None:
-        if not 0.0 <= self.gradient_error_feedback_decay < 1.0:
-            raise ValueError(f"gradient_error_feedback_decay={self.gradient_error_feedback_decay} must be in [0, 1) "
-                             f"(0 = plain error feedback; LoCo-style averaging uses e.g. 0.5)")
-        if self.gradient_error_feedback_reset < 0:
-            raise ValueError(f"gradient_error_feedback_reset={self.gradient_error_feedback_reset} must be >= 0 "
-                             f"(0 = never reset)")
-        tuning = {name: getattr(self, name) for name in ("gradient_error_feedback_decay",
-                                                         "gradient_error_feedback_reset") if getattr(self, name)}
-        if tuning and not self.gradient_error_feedback:
-            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in tuning.items())} tune error feedback, which is off; "
-                             f"set gradient_error_feedback: true (or remove them)")
-
-    def _check_bit_allocation(self) -> None:
-        floor = self.gradient_bit_allocation_floor
-        if floor and not self.gradient_bit_allocation:
-            raise ValueError(f"gradient_bit_allocation_floor={floor} bounds per-block widths, which are off; set "
-                             f"gradient_bit_allocation: true (or remove it)")
-        if floor and not 2 <= floor <= self.gradient_bits:
-            raise ValueError(f"gradient_bit_allocation_floor={floor} must be 0 (no floor) or a width from 2 to "
-                             f"gradient_bits={self.gradient_bits}: a floor above the average width cannot fit in "
-                             f"the fixed format's bytes; e.g. 2")
+        check_option_rules(self)
+        if self.deepspeed_training is not None:
+            check_training_sections(self.deepspeed_training)
 
     def _check_fields(self) -> None:
         """Every field's value against its annotation's type (an integer where a float is expected becomes one)."""
@@ -298,23 +213,6 @@ class ZeroPPConfig:
             if outside_literal(value, hint):
                 allowed = allowed_values(hint, f.metadata.get("labels", {}))
                 raise ValueError(f"{f.name}={value!r} " + f.metadata["invalid"].format(allowed=allowed))
-
-    def _check_stage_supports_options(self) -> None:
-        hpz_on = self.hpz_partition_size != 1
-        wanted = {
-            "cpu_offload": (self.cpu_offload, (1, 2, 3)),
-            "quantized_weights": (self.quantized_weights, (1, 2, 3)),
-            "hpz_partition_size": (hpz_on, (3,)),
-            "quantized_gradients": (self.quantized_gradients, (1, 2, 3)),
-            "quantized_nontrainable_weights": (self.quantized_nontrainable_weights, (1, 2, 3)),
-        }
-        for name, (on, stages) in wanted.items():
-            why = ("hpZ keeps a secondary shard of weights that only stage 3 reshards" if name == "hpz_partition_size"
-                   else "stage 0 keeps full replicas, with no shards to offload" if name == "cpu_offload"
-                   else "stage 0 is plain data parallel with no sharded collectives to change")
-            if on and self.stage not in stages:
-                raise ValueError(f"{name} needs stage {' or '.join(map(str, stages))}, but stage={self.stage}: {why}; "
-                                 f"set stage=3 or turn {name} off")
 
     # ---------------------------------------------------------------- schedules
 
@@ -474,7 +372,3 @@ def option_table() -> str:
     """The README's option table (markdown): a row per subject with its section key, then each option's default
     and doc."""
     return grouped_table(ZeroPPConfig, SECTIONS)
-
-
-def _default(option: dataclasses.Field) -> Any:
-    return option.default_factory() if option.default_factory is not dataclasses.MISSING else option.default

@@ -13,7 +13,13 @@ script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes the
   ``--zeropp`` option;
 - ``TrainingArguments(deepspeed=...)`` takes the DeepSpeed config as the hf_zeropp config instead of importing
   DeepSpeed (:func:`hf_zeropp.trainer.take_deepspeed_config`);
-- with ``--load_in_slices`` only: ``PreTrainedModel.from_pretrained`` (so every ``AutoModel*`` class) is
+- ``accelerate.utils.DummyOptim`` / ``DummyScheduler``, which Accelerate exports only when DeepSpeed is importable,
+  are there for scripts written for DeepSpeed configs (hf_zeropp's Accelerator turns them into the config's
+  optimizer and scheduler);
+- ``TrainingArguments(fsdp=..., fsdp_config=...)`` takes the FSDP settings as hf_zeropp options on top of the
+  config instead of setting up Accelerate's FSDP plugin (:func:`hf_zeropp.trainer.take_fsdp_config`);
+- with ``--load_in_slices`` only (or FSDP settings with ``cpu_ram_efficient_loading``, from the launch or from
+  TrainingArguments): ``PreTrainedModel.from_pretrained`` (so every ``AutoModel*`` class) is
   :func:`hf_zeropp.from_pretrained` once the process group exists: the model is built on the meta device and each
   rank reads its own slices when it is sharded.
 
@@ -41,23 +47,29 @@ from typing import Any
 
 import accelerate
 import accelerate.accelerator
+import accelerate.utils
+import accelerate.utils.deepspeed
 import torch.distributed as dist
 from transformers import HfArgumentParser, PreTrainedModel, Trainer, TrainingArguments
 
 from .accelerate_integration import Accelerator
 from .config import ZeroPPConfig
+from .fsdp_settings import CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, FsdpSettings, remember, remembered
 from .launch import LOAD_IN_SLICES, RESTORE_ENVIRONMENT
 from .materialize import load_in_slices
 from .runtime import comm_stats
 from .state import sharded_models, zeropp_state
 from .topology import Topology
-from .trainer import ZeroPPTrainerMixin, take_deepspeed_config, with_zeropp_field
+from .trainer import ZeroPPTrainerMixin, take_deepspeed_config, take_fsdp_config, with_zeropp_field
 
 _originals: dict[tuple[Any, str], Any] = {}
 
 
+_ABSENT = object()  # a name install() adds where the stock module has none (uninstall deletes it again)
+
+
 def _replace(owner: Any, name: str, value: Any) -> None:
-    _originals[(owner, name)] = owner.__dict__[name]
+    _originals[(owner, name)] = owner.__dict__.get(name, _ABSENT)
     setattr(owner, name, value)
 
 
@@ -70,13 +82,17 @@ def install(load_in_slices: bool = False) -> None:
     if installed():
         return
     if load_in_slices:
-        _replace(PreTrainedModel, "from_pretrained", _loading_in_slices(PreTrainedModel.__dict__["from_pretrained"]))
+        _install_loading_in_slices()
     _replace(accelerate, "Accelerator", Accelerator)
     _replace(accelerate.accelerator, "Accelerator", Accelerator)
+    for name in ("DummyOptim", "DummyScheduler"):  # exported by accelerate.utils only when DeepSpeed is importable
+        if not hasattr(accelerate.utils, name):
+            _replace(accelerate.utils, name, getattr(accelerate.utils.deepspeed, name))
     _replace(Trainer, "__init__", _with_mixin_at_init(Trainer.__init__))
     for parser_class in _argument_parsers():
         _replace(parser_class, "__init__", _with_zeropp_fields(parser_class.__init__))
-    _replace(TrainingArguments, "__post_init__", _taking_deepspeed_config(TrainingArguments.__post_init__))
+    _replace(TrainingArguments, "__post_init__",
+             _taking_fsdp_config(_taking_deepspeed_config(TrainingArguments.__post_init__)))
 
 
 def _argument_parsers() -> list[type]:
@@ -94,7 +110,10 @@ def _argument_parsers() -> list[type]:
 def uninstall() -> None:
     """Give the stock names their stock values back."""
     for (owner, name), value in _originals.items():
-        setattr(owner, name, value)
+        if value is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
     _originals.clear()
 
 
@@ -130,6 +149,11 @@ def _lacks_zeropp_field(dataclass_type: Any) -> bool:
             and "zeropp" not in getattr(dataclass_type, "__dataclass_fields__", {}))
 
 
+def _install_loading_in_slices() -> None:
+    if (PreTrainedModel, "from_pretrained") not in _originals:
+        _replace(PreTrainedModel, "from_pretrained", _loading_in_slices(PreTrainedModel.__dict__["from_pretrained"]))
+
+
 def _loading_in_slices(stock: classmethod) -> classmethod:
     load = stock.__func__
 
@@ -151,8 +175,24 @@ def _taking_deepspeed_config(stock_post_init: Any) -> Any:
     return __post_init__
 
 
-def describe(config: ZeroPPConfig, topology: Topology, load_in_slices: bool = False) -> str:
-    """The one line rank 0 prints at start: what runs on hf_zeropp, the config, and the nodes."""
+def _taking_fsdp_config(stock_post_init: Any) -> Any:
+    """TrainingArguments' FSDP settings become hf_zeropp options; where they ask for CPU-RAM-efficient loading, every
+    ``from_pretrained`` from then on reads per-rank slices (the script loads its model after parsing its
+    arguments)."""
+    @functools.wraps(stock_post_init)
+    def __post_init__(self) -> None:
+        take_fsdp_config(self)  # a no-op where a ZeroPP TrainingArguments class has taken them already
+        stock_post_init(self)
+        settings = remembered()
+        if settings is not None and settings.load_in_slices:
+            _install_loading_in_slices()
+    return __post_init__
+
+
+def describe(config: ZeroPPConfig, topology: Topology, load_in_slices: bool = False,
+             fsdp: FsdpSettings | None = None, given: str | None = None) -> str:
+    """The one line rank 0 prints at start: what runs on hf_zeropp, the config (and the launch's FSDP settings, on
+    ``given``: how the user named the config), and the nodes."""
     techniques = [f"stage {config.stage}"]
     if config.quantized_weights:
         techniques.append(f"qwZ int{config.weight_bits}")
@@ -172,9 +212,10 @@ def describe(config: ZeroPPConfig, topology: Topology, load_in_slices: bool = Fa
     if config.mixed_precision != "no":
         techniques.append(config.mixed_precision)
     return (f"hf_zeropp launch: accelerate.Accelerator, transformers.Trainer (TRL's trainers too) and "
-            f"HfArgumentParser (--zeropp, --deepspeed) run on hf_zeropp"
+            f"HfArgumentParser (--zeropp, --deepspeed, --fsdp) run on hf_zeropp"
             f"{'; from_pretrained builds on meta, each rank reads its slices' if load_in_slices else ''}; "
             f"config: {', '.join(techniques)}; "
+            f"{fsdp.describe(given) + '; ' if fsdp is not None else ''}"
             f"{topology.nodes} node(s) x {topology.node_size} ranks (node size from {topology.node_size_source})")
 
 
@@ -219,10 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     config = ZeroPPConfig.coerce(None, argument="ZEROPP_CONFIG")
     topology = Topology.from_config(config, int(os.environ.get("WORLD_SIZE", "1")))
     load_in_slices = os.environ.pop(LOAD_IN_SLICES, "") == "1"
+    # left in the environment: a Trainer's own fsdp settings are refused beside the launch's (take_fsdp_config)
+    fsdp = FsdpSettings.from_json(os.environ[SETTINGS_VARIABLE]) if SETTINGS_VARIABLE in os.environ else None
+    if fsdp is not None:
+        remember(fsdp)
     install(load_in_slices)
     atexit.register(_destroy_process_group)  # registered first, so it runs after the script's and the byte line's
     if os.environ.get("RANK", "0") == "0":
-        print(describe(config, topology, load_in_slices), flush=True)
+        print(describe(config, topology, load_in_slices, fsdp, os.environ.get(CONFIG_GIVEN_VARIABLE) or None),
+              flush=True)
         atexit.register(_print_bytes_at_exit)
     if argv[0] == "-m":
         sys.argv = argv[1:]

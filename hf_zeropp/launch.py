@@ -9,12 +9,16 @@ Accelerate's own parser), reads what is hf_zeropp's out of them, and starts ``ac
   ``deepspeed_config_file`` or ``zero_stage``; ``--use_deepspeed``), else ``ZEROPP_CONFIG`` / ``ZEROPP_*``. It is
   checked here against the launch (world size, ranks per node), then handed to the workers as JSON in
   ``ZEROPP_CONFIG``;
+- the Accelerate FSDP settings (``distributed_type: FSDP`` with its ``fsdp_config``; ``--use_fsdp`` and the
+  ``--fsdp_*`` options) keep their meaning on top of that config (:mod:`hf_zeropp.fsdp_settings`: the wrap policy
+  gives the units, the resharding the stage, and offload, activation checkpointing and CPU-RAM-efficient loading
+  their hf_zeropp counterparts); with no config named, they run as zero3. No ``FSDP_*`` variable reaches a worker;
 - each worker runs ``python -m hf_zeropp.dropin SCRIPT ARGS`` (:mod:`hf_zeropp.dropin`), which installs hf_zeropp in
   accelerate, transformers and TRL and then runs the script unchanged;
 - on a machine without GPUs, several processes take Accelerate's torchrun path with ``ACCELERATE_USE_CPU=true``
   (Accelerate's own CPU path would start one process, or need MPI).
 
-Every refusal (a bad config, a conflicting ``distributed_type``, an unsupported DeepSpeed key, a missing script)
+Every refusal (a bad config, a conflicting ``distributed_type``, an unsupported DeepSpeed or FSDP key, a missing script)
 is one line on standard error and exit status 2, before any worker starts.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib.machinery
 import importlib.util
 import json
@@ -35,7 +40,10 @@ from typing import Any
 import yaml
 
 from .config import ZeroPPConfig
+from .deepspeed_training import check_batch_sizes
 from .failure_report import FRESH_STORE_VARIABLE
+from .fsdp_settings import (CONFIG_GIVEN_VARIABLE, PARALLELISM_CONFIG_REFUSED, SETTINGS_VARIABLE, FsdpSettings,
+                            from_accelerate, from_training_arguments, zeropp_given)
 from .topology import Topology
 
 CONFIG_KEY = "zeropp"
@@ -56,6 +64,12 @@ DEEPSPEED_SETTINGS = (
 # ... of which these only steer DeepSpeed's own launcher or its model init and save: nothing to map
 DEEPSPEED_LAUNCH_ONLY = {"zero3_init_flag", "zero3_save_16bit_model", "deepspeed_hostfile",
                          "deepspeed_exclusion_filter", "deepspeed_inclusion_filter", "deepspeed_multinode_launcher"}
+# ... and these become the DeepSpeed config through Accelerate's DeepSpeedPlugin (YAML key -> plugin field)
+PLUGIN_FIELDS = {"zero_stage": "zero_stage", "offload_optimizer_device": "offload_optimizer_device",
+                 "offload_param_device": "offload_param_device",
+                 "offload_optimizer_nvme_path": "offload_optimizer_nvme_path",
+                 "offload_param_nvme_path": "offload_param_nvme_path",
+                 "gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "gradient_clipping"}
 
 
 class LaunchError(ValueError):
@@ -101,11 +115,17 @@ def prepare(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
                           "launch a Python script or module")
     _check_script(args)
     config_file, settings = _accelerate_settings(args)
+    fsdp = _fsdp_settings(args, settings)
+    given = _config_named(args, settings)
     value = _config_value(args, settings)
-    environment = {"ZEROPP_CONFIG": json.dumps(_resolve(value, args, settings).to_dict())}
-    if args.load_in_slices:
+    environment = {"ZEROPP_CONFIG": json.dumps(_resolve(value, args, settings, fsdp, given).to_dict()),
+                   CONFIG_GIVEN_VARIABLE: given or ""}
+    if args.load_in_slices or (fsdp is not None and fsdp.load_in_slices):
         environment[LOAD_IN_SLICES] = "1"
+    if fsdp is not None:
+        environment[SETTINGS_VARIABLE] = fsdp.to_json()
     _check_script_options(args.training_script_args)
+    _check_script_fsdp(args.training_script_args)
     environment.update(_restart_environment(args, settings))
     if _runs_on_cpu(args, settings):
         # Accelerate's torchrun path; each worker's Accelerator then runs on CPU with gloo
@@ -116,6 +136,9 @@ def prepare(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
         args.config_file = str(scratch / "accelerate_config.yaml")
         Path(args.config_file).write_text(yaml.safe_dump(settings))
     environment.update(_worker_entry(args))
+    if fsdp is not None and int(args.machine_rank or settings.get("machine_rank") or 0) == 0:
+        for setting, why in fsdp.warnings.items():  # once, from the first machine's launcher, as the launch goes on
+            print(f"hf-zeropp launch: warning: {setting} in {fsdp.where}: {why}", file=sys.stderr)
     return environment
 
 
@@ -186,8 +209,13 @@ def _config_value(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
 
 
 def _deepspeed_settings(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
-    """Accelerate's DeepSpeed settings (YAML ``distributed_type: DEEPSPEED`` / ``--use_deepspeed``) as an hf_zeropp
-    config value, or None; the launch continues as MULTI_GPU."""
+    """Accelerate's DeepSpeed settings (YAML ``distributed_type: DEEPSPEED`` / ``--use_deepspeed``) as the DeepSpeed
+    config Accelerate's workers would train with, or None; the launch continues as MULTI_GPU. The config is what
+    Accelerate's own ``DeepSpeedPlugin`` makes of them (the YAML's accumulation steps, clipping, stage and offload
+    fill the file's "auto" values, or make the config when there is no file), so it means what it means under
+    DeepSpeed."""
+    from accelerate.utils import DeepSpeedPlugin
+
     fields = dict(settings.pop("deepspeed_config", None) or {})
     for name in DEEPSPEED_SETTINGS:
         if getattr(args, name, None) is not None:
@@ -199,44 +227,84 @@ def _deepspeed_settings(args: argparse.Namespace, settings: dict[str, Any]) -> A
         return None
     settings["distributed_type"] = "MULTI_GPU"
     fields = {k: v for k, v in fields.items() if v is not None and k not in DEEPSPEED_LAUNCH_ONLY}
-    for key in ("offload_optimizer_device", "offload_param_device"):
-        device = fields.pop(key, None)
-        if device is not None and str(device).lower() != "none":
-            raise LaunchError(f"deepspeed_config {key}={device!r} (offload) is not supported by hf_zeropp; remove it: "
-                              f"hf_zeropp shards parameters, gradients and optimizer states over the ranks instead "
-                              f"(stage 3)")
-    for key in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
-        fields.pop(key, None)
-    steps = fields.pop("gradient_accumulation_steps", None)
-    if steps not in (None, 1, "1", "auto"):
-        raise LaunchError(f"deepspeed_config gradient_accumulation_steps={steps} is applied by DeepSpeed's engine; "
-                          f"pass it to the script (Accelerator(gradient_accumulation_steps={steps}), Trainer: "
-                          f"--gradient_accumulation_steps {steps}) and remove it")
-    clipping = fields.pop("gradient_clipping", None)
-    if clipping not in (None, "auto"):
-        raise LaunchError(f"deepspeed_config gradient_clipping={clipping} is applied by DeepSpeed's engine; clip in "
-                          f"the script (accelerator.clip_grad_norm_(params, {clipping}), Trainer: --max_grad_norm "
-                          f"{clipping}) and remove it")
-    file, stage = fields.pop("deepspeed_config_file", None), fields.pop("zero_stage", None)
-    if fields:
-        raise LaunchError(f"deepspeed_config {', '.join(sorted(fields))} has no hf_zeropp equivalent; remove it")
-    if file is not None:
-        if not Path(file).is_file():
-            raise LaunchError(f"deepspeed_config_file {file!r} does not exist")
-        return str(file)
-    return {"zero_optimization": {"stage": int(stage) if stage is not None else 2}}  # Accelerate's default stage
+    file = fields.pop("deepspeed_config_file", None)
+    if file is not None and not Path(file).is_file():
+        raise LaunchError(f"deepspeed_config_file {file!r} does not exist")
+    unknown = set(fields) - set(PLUGIN_FIELDS)
+    if unknown:
+        raise LaunchError(f"deepspeed_config {', '.join(sorted(unknown))} has no hf_zeropp equivalent; remove it")
+    plugin_fields = {PLUGIN_FIELDS[k]: v for k, v in fields.items()}
+    for name in ("gradient_accumulation_steps", "gradient_clipping"):
+        if name in plugin_fields and plugin_fields[name] != "auto":
+            plugin_fields[name] = (int if name == "gradient_accumulation_steps" else float)(plugin_fields[name])
+    with _config_errors_refused():
+        if file is not None:
+            written = json.loads(Path(file).read_text()) if not str(file).endswith((".yaml", ".yml")) else \
+                yaml.safe_load(Path(file).read_text())
+            plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(written), **plugin_fields)
+        else:
+            written = {}
+            plugin = DeepSpeedPlugin(**plugin_fields)
+    config = plugin.deepspeed_config
+    if "steps_per_print" not in written:
+        config.pop("steps_per_print", None)  # Accelerate's own addition, to silence DeepSpeed's logging
+    return config
 
 
-def _resolve(value: Any, args: argparse.Namespace, settings: dict[str, Any]) -> ZeroPPConfig:
-    """The config every worker will read (``value`` under the ``ZEROPP_*`` variables), checked against the launch's
-    world size and ranks per node when those are known here."""
+def _fsdp_settings(args: argparse.Namespace, settings: dict[str, Any]) -> FsdpSettings | None:
+    """Accelerate's FSDP settings (YAML ``distributed_type: FSDP`` with its ``fsdp_config``, or ``--use_fsdp``, with
+    the ``--fsdp_*`` options given on top, as Accelerate reads them) as hf_zeropp options, or None. They are taken
+    out of ``args`` and ``settings``: the launch continues as MULTI_GPU, so no ``ACCELERATE_USE_FSDP`` / ``FSDP_*``
+    variable reaches a worker (transformers would load models on the meta device, Accelerate would wrap in FSDP)."""
+    fsdp_config = dict(settings.pop("fsdp_config", None) or {})
+    fsdp_config.update({name: getattr(args, name) for name in sorted(getattr(args, "nondefault", ()))
+                        if name.startswith("fsdp_")})
+    other_flags = [f"--{flag}" for flag in ("use_deepspeed", "use_megatron_lm", "multi_gpu", "tpu")
+                   if getattr(args, flag)]
+    if args.use_fsdp and other_flags:
+        raise LaunchError(f"--use_fsdp and {other_flags[0]} are both given; keep one (accelerate launch takes one)")
+    in_yaml = str(settings.get("distributed_type", "")).upper() == "FSDP"
+    chosen = args.use_fsdp or (in_yaml and not other_flags)
+    args.use_fsdp = False
+    if chosen or in_yaml:  # FSDP's settings become hf_zeropp's, or another type flag overrides the YAML's
+        settings["distributed_type"] = "MULTI_GPU"
+    if not chosen:
+        return None
+    parallelism = settings.pop("parallelism_config", None)
+    if parallelism or getattr(args, "use_parallelism_config", False):
+        raise LaunchError(f"parallelism_config: {PARALLELISM_CONFIG_REFUSED}")
+    with _config_errors_refused():
+        return from_accelerate(fsdp_config, args.mixed_precision or settings.get("mixed_precision"))
+
+
+def _config_named(args: argparse.Namespace, settings: dict[str, Any]) -> str | None:
+    """How the user named the hf_zeropp config, for messages that set it against the FSDP settings: ``--zeropp``,
+    the YAML's ``zeropp:``, Accelerate's DeepSpeed settings, the environment, or None (nothing: zero3)."""
+    if args.zeropp is not None:
+        return f"--zeropp {args.zeropp}"
+    if settings.get(CONFIG_KEY) is not None:
+        return f"`zeropp: {json.dumps(settings[CONFIG_KEY])}` in the Accelerate config"
+    if args.use_deepspeed or str(settings.get("distributed_type", "")).upper() == "DEEPSPEED":
+        return "the Accelerate config's DeepSpeed settings"
+    return zeropp_given(os.environ)
+
+
+def _resolve(value: Any, args: argparse.Namespace, settings: dict[str, Any], fsdp: FsdpSettings | None = None,
+             given: str | None = None) -> ZeroPPConfig:
+    """The config every worker will read (``value`` under the ``ZEROPP_*`` variables, with the FSDP settings on top
+    where the launch has them; ``given`` says how the user named the config), checked against the launch's world
+    size and ranks per node when those are known here."""
     with _config_errors_refused():
         base = ZeroPPConfig.coerce(value, argument="zeropp")  # a preset, a file, a dict or JSON text
         config = ZeroPPConfig.from_env({**os.environ, "ZEROPP_CONFIG": json.dumps(base.to_dict())})
+        if fsdp is not None:
+            config = fsdp.apply(config, given)
         processes = args.num_processes or settings.get("num_processes")
         machines = args.num_machines or settings.get("num_machines") or 1
         if processes and int(processes) > 1:
             Topology.from_config(config, int(processes), local_world_size=max(1, int(processes) // int(machines)))
+        if processes and config.deepspeed_training is not None:
+            check_batch_sizes(config.deepspeed_training, int(processes))
     return config
 
 
@@ -262,6 +330,23 @@ def _check_script_options(script_args: list[str]) -> None:
                 continue
             with _config_errors_refused():
                 ZeroPPConfig.coerce(value, argument=f"the script's {flag}")
+
+
+def _check_script_fsdp(script_args: list[str]) -> None:
+    """The script's ``--fsdp`` / ``--fsdp_config`` (the Trainer's flags) are read now, as
+    :func:`hf_zeropp.trainer.take_fsdp_config` will read them, so that an FSDP setting hf_zeropp refuses fails once
+    here instead of on every worker."""
+    values: dict[str, Any] = {}
+    for index, arg in enumerate(script_args):
+        for flag in ("--fsdp", "--fsdp_config"):
+            if arg.startswith(flag + "="):
+                values[flag] = arg.split("=", 1)[1]
+            elif arg == flag:
+                following = script_args[index + 1] if index + 1 < len(script_args) else "--"
+                values[flag] = True if flag == "--fsdp" and following.startswith("--") else following
+    if values.get("--fsdp"):
+        with _config_errors_refused():
+            from_training_arguments(values["--fsdp"], values.get("--fsdp_config"))
 
 
 def _runs_on_cpu(args: argparse.Namespace, settings: dict[str, Any]) -> bool:

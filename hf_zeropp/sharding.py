@@ -30,6 +30,7 @@ from .auto import choose as choose_configuration
 from .auto_trial import start_trial
 from .comm_meter import CommMeter
 from .config import ZeroPPConfig
+from .deepspeed_training import refuse_training_loop
 from .frozen import quantize_frozen_weights
 from .full_state import (consolidate, consolidated_state_dict, expect_every_rank, holds_dtensors, is_loading_full_state,
                          load_full_state_dict)
@@ -111,6 +112,7 @@ def _check_before_any_collective(model: nn.Module, config: ZeroPPConfig, device:
     the device, and whether any layer will be a unit of its own (a ``wrap_modules`` that matches nothing fails)."""
     if not runs_schedule:
         config.refuse_schedule("shard_model")
+    refuse_training_loop(config.deepspeed_training, "shard_model")
     if getattr(model, "_zeropp", None) is not None:
         raise ValueError("this model is already sharded by hf_zeropp; call shard_model once per model")
     if not dist.is_available() or not dist.is_initialized():

@@ -29,6 +29,8 @@ from .checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkpoint, load_c
 from .config import SCHEDULED_TECHNIQUES, ZeroPPConfig
 from .deepspeed_checkpoint import is_deepspeed_checkpoint
 from .deepspeed_restore import resume_trainer_from_deepspeed
+from .fsdp_settings import CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, from_training_arguments, remember, zeropp_given
+from .deepspeed_training import DeepSpeedLoop, fill_from_training_arguments
 from .full_state import load_pretrained_in_slices
 from .hf_checkpoint import write_pretrained, writes_per_rank
 from .materialize import attach_checkpoint
@@ -50,6 +52,39 @@ def take_deepspeed_config(args: TrainingArguments) -> None:
     args.zeropp, args.deepspeed = args.deepspeed, None
 
 
+def take_fsdp_config(args: TrainingArguments) -> None:
+    """Make ``args.fsdp`` / ``args.fsdp_config`` (``--fsdp full_shard --fsdp_config fsdp.json``) hf_zeropp options
+    and clear them, so that the Trainer sets up no FSDP plugin and sets no ``FSDP_*`` variable: hf_zeropp is FSDP2
+    underneath, and the units, stage, offload, activation checkpointing and loading keep their meaning
+    (:mod:`hf_zeropp.fsdp_settings`) on top of ``args.zeropp``, or of the environment's config (zero3 when nothing
+    names one). The result is ``args.zeropp``. Unsupported keys are errors now, before any process group exists;
+    keys hf_zeropp ignores are said once, on rank 0."""
+    if not args.fsdp:
+        return
+    if args.deepspeed:
+        raise ValueError(f"fsdp={args.fsdp!r} and deepspeed={args.deepspeed!r} are both set; keep one of them (stock "
+                         f"Transformers refuses them together too)")
+    if SETTINGS_VARIABLE in os.environ:
+        raise ValueError(f"fsdp={args.fsdp!r} is set, and the launch's Accelerate config has FSDP settings too; keep "
+                         f"one of them (under stock Accelerate the Trainer's would replace the config's)")
+    settings = from_training_arguments(args.fsdp, args.fsdp_config,
+                                       "bf16" if args.bf16 else "fp16" if args.fp16 else None)
+    zeropp = getattr(args, "zeropp", None)
+    given = f"zeropp={zeropp!r}" if zeropp is not None else zeropp_given(dict(os.environ))
+    args.zeropp = settings.apply(ZeroPPConfig.coerce(zeropp, argument="zeropp"), given).to_dict()
+    args.fsdp, args.fsdp_config = None, None
+    remember(settings)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    notes = dict(settings.warnings)
+    if settings.load_in_slices and CONFIG_GIVEN_VARIABLE not in os.environ:  # hf-zeropp launch loads in slices
+        notes["cpu_ram_efficient_loading=True"] = (
+            "load the model with hf_zeropp.from_pretrained (each rank reads its slices) or launch with hf-zeropp "
+            "launch, which does so for every from_pretrained; a stock from_pretrained loads it whole on every rank")
+    for setting, why in notes.items():
+        warnings.warn(f"hf_zeropp: {setting} in {settings.where}: {why}", stacklevel=3)
+
+
 @functools.cache
 def with_zeropp_field(args_class: type[TrainingArguments]) -> type[TrainingArguments]:
     """``args_class`` (TrainingArguments or a TRL config such as ``SFTConfig``) plus a ``zeropp`` field, usable from
@@ -65,6 +100,7 @@ def with_zeropp_field(args_class: type[TrainingArguments]) -> type[TrainingArgum
         )
 
         def __post_init__(self) -> None:
+            take_fsdp_config(self)
             take_deepspeed_config(self)
             super().__post_init__()
             ZeroPPConfig.coerce(self.zeropp, argument="zeropp")  # a bad value fails here, before any process group
@@ -162,6 +198,47 @@ class ZeroPPTrainerMixin(TrainerHooks):
         # TRL prepares reference and reward models with evaluation_mode=True: frozen, they can be stored INT8
         self.accelerator.freezes_for_evaluation = self._is_auxiliary_model
         self.zeropp_callback = ZeroPPCallback(config.schedule())
+        if config.deepspeed_training is not None:
+            self.accelerator.use_deepspeed_loop(None)  # filled from TrainingArguments when training starts
+
+    # ------------------------------------------------------------------ a DeepSpeed config's training loop
+
+    def _zeropp_deepspeed_loop(self) -> DeepSpeedLoop | None:
+        """The DeepSpeed config's training loop with "auto" filled from TrainingArguments as Transformers fills it,
+        once per ``train()`` (the number of steps is known by then); None without a DeepSpeed training section."""
+        sections = self.zeropp_config.deepspeed_training
+        if sections is None:
+            return None
+        if getattr(self, "_zeropp_loop", None) is None:
+            self._zeropp_loop = fill_from_training_arguments(sections, self.args, self.state.max_steps)
+            self.accelerator.use_deepspeed_loop(self._zeropp_loop)
+            clipping = self._zeropp_loop.gradient_clipping
+            if clipping != self.args.max_grad_norm and self.args.process_index == 0:
+                warnings.warn(f"the DeepSpeed config sets no gradient_clipping: as under DeepSpeed, gradients are "
+                              f"clipped to {clipping} (DeepSpeed's default), not to max_grad_norm="
+                              f"{self.args.max_grad_norm}; set \"gradient_clipping\": \"auto\" to clip to "
+                              f"max_grad_norm", stacklevel=3)
+        return self._zeropp_loop
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The DeepSpeed config's optimizer where it has one (on every trainable parameter, in one group, as
+        DeepSpeed's engine builds it); otherwise the Trainer's."""
+        loop = self._zeropp_deepspeed_loop()
+        if loop is None or loop.optimizer is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        self.optimizer = loop.build_optimizer((model if model is not None else self.model).parameters())
+        self._zeropp_built_optimizer = True
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """The DeepSpeed config's scheduler where it has one; otherwise the Trainer's (``lr_scheduler_type``), which
+        DeepSpeed also uses then."""
+        loop = self._zeropp_deepspeed_loop()
+        if loop is None or loop.scheduler is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        self.lr_scheduler = loop.build_scheduler(optimizer if optimizer is not None else self.optimizer)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _is_auxiliary_model(self, model: Any) -> bool:
         """A model this trainer evaluates but does not train (TRL's reference and reward models)."""
@@ -211,11 +288,33 @@ class ZeroPPTrainerMixin(TrainerHooks):
             resume_from_checkpoint = str(latest)
         if is_sharded(self.model):  # train() called again (a resume in a notebook): it prepares the model again
             self.accelerator.allow_preparing_again(self.model)
+        if self.zeropp_config.deepspeed_training is not None:
+            self._refuse_optimizers_passed_with_deepspeed()
+            self._zeropp_loop = None  # filled again for this run's number of steps
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _zeropp_engine_steps_scheduler(self) -> bool:
+        """Whether DeepSpeed's engine, not the Trainer, would step the scheduler: Transformers hands it the
+        scheduler (a ``DummyScheduler``) when the config has an optimizer or a scheduler section."""
+        sections = self.zeropp_config.deepspeed_training or {}
+        return "optimizer" in sections or "scheduler" in sections
+
+    def _refuse_optimizers_passed_with_deepspeed(self) -> None:
+        """Transformers refuses a Trainer given ``optimizers=`` under DeepSpeed (the config's sections, or
+        DeepSpeed's engine, build them); so does hf_zeropp with a DeepSpeed config, instead of silently preferring
+        one of the two."""
+        passed_optimizer = self.optimizer is not None and not getattr(self, "_zeropp_built_optimizer", False)
+        if passed_optimizer or (self.lr_scheduler is not None and not self._created_lr_scheduler):
+            raise RuntimeError("Passing `optimizers` is not allowed if Deepspeed or PyTorch FSDP is enabled. You "
+                               "should subclass `Trainer` and override the `create_optimizer_and_scheduler` method.")
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if "loss" in logs:  # training logs only, not evaluation results
             logs.update(self.zeropp_callback.pop_metrics())
+            if "learning_rate" in logs and self._zeropp_engine_steps_scheduler():
+                # DeepSpeed's engine steps its scheduler inside backward, so under DeepSpeed the Trainer logs the
+                # learning rate after this step's scheduler step; log the same
+                logs["learning_rate"] = self._get_learning_rate()
         super().log(logs, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -266,4 +365,4 @@ class ZeroPPTrainer(ZeroPPTrainerMixin, Trainer):
 
 
 __all__ = ["ZeroPPCallback", "ZeroPPTrainer", "ZeroPPTrainerMixin", "ZeroPPTrainingArguments", "take_deepspeed_config",
-           "with_zeropp_field"]
+           "take_fsdp_config", "with_zeropp_field"]

@@ -60,7 +60,7 @@ MORE_BAD_CONFIGS = [
     ({"zero_optimization": [1]}, TypeError, "zero_optimization must be a mapping, got list"),
     ({"zero_optimization": {"stage": 4}}, ValueError, "stage=4 is invalid"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, ValueError,
-     "zero_optimization.offload_param.device='nvme' (CPU/NVMe offload) is not supported by hf_zeropp; remove"),
+     "zero_optimization.offload_param.device='nvme' (NVMe offload) is not supported by hf_zeropp; use device 'cpu'"),
     ({"zero_optimization": {"stage": 3, "zeropp_loco_param": {}}}, ValueError,
      "zero_optimization.zeropp_loco_param has no hf_zeropp equivalent; remove it"),
     ({"zero_optimization": {"stage": 0, "zero_quantized_gradients": True}}, ValueError,

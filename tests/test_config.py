@@ -207,12 +207,12 @@ def test_bad_launch_combinations(config, world, local, message):
         ("stage: [3", ".yaml", "cannot parse hf_zeropp config"),
         ("- 1\n- 2\n", ".yaml", "must hold a mapping of options"),
         ("stage: 3\nqwz: true\n", ".yaml", "unknown hf_zeropp option(s) ['qwz']"),
-        (json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}), ".json",
-         "zero_optimization.offload_optimizer.device='cpu' (CPU/NVMe offload) is not supported"),
+        (json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}), ".json",
+         "zero_optimization.offload_optimizer.device='nvme' (NVMe offload) is not supported"),
         (json.dumps({"zero_optimization": {"stage": 3, "zero_quantized_magic": True}}), ".json",
          "zero_optimization.zero_quantized_magic has no hf_zeropp equivalent"),
         (json.dumps({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}), ".json",
-         "DeepSpeed config key 'pipeline' cannot be mapped"),
+         "DeepSpeed config key 'pipeline' (pipeline parallelism; hf_zeropp is data parallel (ZeRO)) cannot be mapped"),
     ],
 )
 def test_bad_files(tmp_path, content, suffix, message):

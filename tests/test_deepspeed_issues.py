@@ -778,22 +778,25 @@ def test_7707_trainer_resume_from_checkpoint_in_the_same_process(loading):
 
 
 @pytest.mark.parametrize("key", ["offload_param", "offload_optimizer"])
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_6926_hpz_with_offload_is_refused_naming_the_key_and_the_fix(key, device):
-    """#6926 (hpZ with CPU offload): hf_zeropp has no offload. A DeepSpeed config that asks for hpZ with an offload
-    is refused — by the config mapper, by ``ZeroPPConfig.coerce`` and by the Trainer's ``--deepspeed`` — before any
-    process group exists, with the key, the device and the fix in the message."""
+def test_6926_hpz_with_cpu_offload_maps_to_cpu_offload_policy_and_nvme_is_refused(key):
+    """#6926 (hpZ with CPU offload): a DeepSpeed config asking for hpZ with a CPU offload gets hpZ and FSDP2's
+    CPUOffloadPolicy (``cpu_offload``), which compose: tests/test_deepspeed_training.py trains ZeRO++ (hpZ included)
+    offloaded and not, to the same numbers. NVMe offload is refused by the config mapper, ``ZeroPPConfig.coerce``
+    and the Trainer's ``--deepspeed``, before any process group exists, naming the key and the alternative; DeepSpeed's
+    spelling of "no offload" is accepted."""
     import hf_zeropp
     from hf_zeropp.deepspeed_config import options_from_deepspeed
 
-    ds = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, key: {"device": device}}}
-    expected = (rf"zero_optimization\.{key}\.device='{device}' \(CPU/NVMe offload\) is not supported by hf_zeropp; "
-                rf"remove {key} from the DeepSpeed config")
+    ds = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, key: {"device": "cpu"}}}
+    assert options_from_deepspeed(ds) == {"stage": 3, "hpz_partition_size": 8, "cpu_offload": True}
+    ds["zero_optimization"][key] = {"device": "nvme", "nvme_path": "/local_nvme"}
+    expected = (rf"zero_optimization\.{key}\.device='nvme' \(NVMe offload\) is not supported by hf_zeropp; use device "
+                rf"'cpu' \(FSDP2's CPUOffloadPolicy")
     with pytest.raises(ValueError, match=expected):
         options_from_deepspeed(ds)
     with pytest.raises(ValueError, match=expected):
         hf_zeropp.ZeroPPConfig.coerce(ds)
     with pytest.raises(ValueError, match=expected):
         hf_zeropp.ZeroPPTrainingArguments(output_dir="unused", deepspeed=ds, report_to="none", use_cpu=True)
-    ds["zero_optimization"][key] = {"device": "none"}  # DeepSpeed's spelling of "no offload" is accepted
+    ds["zero_optimization"][key] = {"device": "none"}
     assert options_from_deepspeed(ds) == {"stage": 3, "hpz_partition_size": 8}

@@ -384,3 +384,16 @@ def test_an_fsdp_yaml_with_zeropp_zeropp_runs_zeropp_on_the_users_units(fsdp_run
     assert "config: stage 3, qwZ int8, hpZ over 2 ranks, qgZ int4/int4; FSDP settings from the Accelerate config's " \
            "fsdp_config kept (units GPT2Attention, GPT2MLP; stage 3; CPU offload; activation checkpointing" in start
     assert 'on `zeropp: "zeropp"` in the Accelerate config; 2 node(s) x 2 ranks' in start
+
+
+def test_an_fsdp_plugin_made_in_the_script_is_refused_naming_the_config_keys():
+    """Accelerate would run a script's own FullyShardedDataParallelPlugin as DDP on CPU and hf_zeropp would shard
+    as zero3 without its settings: instead, one error that names where the settings go."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import hf_zeropp
+
+    with pytest.raises(ValueError, match=r"does not read a FullyShardedDataParallelPlugin made in the script; put its "
+                                         r"settings in the Accelerate config's fsdp_config"):
+        hf_zeropp.Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), cpu=True)
+

@@ -89,6 +89,11 @@ def _series(logs: list[dict], key: str) -> list[float]:
     return [entry[key] for entry in logs if key in entry]
 
 
+def _write_json(path: Path, value: dict) -> Path:
+    path.write_text(json.dumps(value))
+    return path
+
+
 def _write_yaml(path: Path, **settings) -> str:
     base = yaml.safe_load(STOCK_CPU.read_text())
     path.write_text(yaml.safe_dump({**base, **settings}))
@@ -429,16 +434,22 @@ def test_bad_input_is_one_line_before_any_worker_starts(tmp_path, capsys):
     assert "distributed_type MEGATRON_LM conflicts" in line
     line = _refused(capsys, "--config_file", _write_yaml(
         tmp_path / "c.yaml", distributed_type="DEEPSPEED",
-        deepspeed_config={"zero_stage": 3, "offload_optimizer_device": "cpu"}), script)
-    assert "offload_optimizer_device='cpu' (offload) is not supported" in line
-    offloading = tmp_path / "offload.json"
-    offloading.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+        deepspeed_config={"zero_stage": 3, "offload_param_device": "nvme", "offload_param_nvme_path": "/nvme"}), script)
+    assert "zero_optimization.offload_param.device='nvme' (NVMe offload) is not supported by hf_zeropp; use" in line
+    lamb = tmp_path / "lamb.json"
+    lamb.write_text(json.dumps({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Lamb", "params": {}}}))
     line = _refused(capsys, "--config_file", _write_yaml(
-        tmp_path / "d.yaml", distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_config_file": str(offloading)}),
+        tmp_path / "d.yaml", distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_config_file": str(lamb)}),
         script)
-    assert "offload_param.device='cpu'" in line and "remove offload_param" in line
-    line = _refused(capsys, "--config_file", str(STOCK_CPU), script, "--deepspeed", str(offloading))
-    assert "offload_param.device='cpu'" in line
+    assert "optimizer.type 'Lamb' is DeepSpeed's FusedLamb" in line and "use type 'AdamW'" in line
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), script, "--deepspeed", str(lamb))
+    assert "optimizer.type 'Lamb'" in line
+    line = _refused(capsys, "--config_file", _write_yaml(
+        tmp_path / "e.yaml", distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_config_file": str(
+            _write_json(tmp_path / "batch.json", {"zero_optimization": {"stage": 2}, "train_batch_size": 64,
+                                                   "train_micro_batch_size_per_gpu": 2}))}), script)
+    assert ("train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 64 != 2 * 1 * 4"
+            in line)
     line = _refused(capsys, "--config_file", str(STOCK_CPU), str(tmp_path / "missing.py"))
     assert "missing.py' does not exist" in line
     line = _refused(capsys, "--config_file", str(STOCK_CPU), "-m", "no_such_module_here")
