@@ -48,7 +48,8 @@ def find_deepspeed_folder(path: str | Path, tag: str | None = None) -> Path | No
 
 
 def _is_tag_folder(path: Path) -> bool:
-    return path.is_dir() and (any(MODEL_STATES.match(p.name) for p in path.iterdir()) or (path / "zero").is_dir())
+    return path.is_dir() and (any(MODEL_STATES.match(p.name) for p in path.iterdir())
+                              or (path / "zero" / "optimizer_state.pt").is_file())
 
 
 def is_deepspeed_checkpoint(path: str | Path) -> bool:

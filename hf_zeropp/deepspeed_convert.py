@@ -33,7 +33,8 @@ from .deepspeed_universal import write_universal
 
 # DeepSpeed's files in a Trainer checkpoint folder, replaced by hf_zeropp's on conversion (and the reverse)
 _DEEPSPEED_ONLY = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
 # torch.optim.Adam / AdamW hyperparameters a DeepSpeed optimizer's group may lack (FusedAdam, DeepSpeedCPUAdam): the
 # values torch's constructor gives them, so that hf_zeropp's optimizer finds every key it saves and loads
 _ADAM_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
@@ -189,7 +190,7 @@ def export_deepspeed_universal(source: str | Path, output: str | Path) -> Path:
         state = _read_dcp(folder)
         if "optimizer" not in state:
             raise DeepSpeedCheckpointError(f"{folder} holds no optimizer state: a universal checkpoint without it "
-                                           f"would resume DeepSpeed with a fresh optimizer; save one with the optimizer")
+                                           f"would resume DeepSpeed with a fresh optimizer; save one with it")
         weights_by_name = _safetensors_weights(source) if trainer else state["model"]
         optimizer = state["optimizer"]
         trainable = [name for group in optimizer["param_groups"] for name in group["params"]]

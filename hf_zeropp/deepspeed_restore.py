@@ -109,10 +109,13 @@ def _names_by_object(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in by_id.values() for name in names}
 
 
-def _model_sources(checkpoint: DeepSpeedCheckpoint, model_state: dict[str, Any], aliases: dict[str, list[str]]):
-    """For each model state key, what the checkpoint holds for it; every mismatch is an error naming both sides."""
-    sources, used = {}, set()
-    for key, value in model_state.items():
+def _model_sources(checkpoint: DeepSpeedCheckpoint, model: nn.Module, aliases: dict[str, list[str]]):
+    """For each model state key, what the checkpoint holds for it; every mismatch is an error naming both sides. A
+    frozen weight the checkpoint left out (DeepSpeed's ``exclude_frozen_parameters``, as the Trainer saves PEFT
+    models) keeps the model's value, as DeepSpeed's own resume keeps it."""
+    sources, used, kept = {}, set(), []
+    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    for key, value in model.state_dict().items():  # DTensors: global shapes, no collective
         names = aliases.get(key, [key])
         names = [*names, *(checkpoint.shared[n] for n in names if n in checkpoint.shared)]
         found = next((n for n in names if n in checkpoint.parameters), None)
@@ -122,9 +125,12 @@ def _model_sources(checkpoint: DeepSpeedCheckpoint, model_state: dict[str, Any],
         elif (found := next((n for n in names if n in checkpoint.frozen or n in checkpoint.buffers), None)):
             source = checkpoint.frozen.get(found, checkpoint.buffers.get(found))
             shape, where = source.shape, str(checkpoint.folder)
+        elif key in frozen and not checkpoint.frozen:
+            kept.append(key)
+            continue
         else:
             raise DeepSpeedCheckpointError(f"the model's {key} is not in the DeepSpeed checkpoint {checkpoint.folder}: "
-                                           f"it was saved from another model (or with frozen weights left out)")
+                                           f"it was saved from another model")
         if tuple(shape) != tuple(value.shape):
             raise DeepSpeedCheckpointError(f"{key}: the DeepSpeed checkpoint ({where}) holds shape {tuple(shape)}, the "
                                            f"model {tuple(value.shape)}: build the model with the checkpoint's config")
@@ -135,6 +141,9 @@ def _model_sources(checkpoint: DeepSpeedCheckpoint, model_state: dict[str, Any],
         raise DeepSpeedCheckpointError(f"the DeepSpeed checkpoint {checkpoint.folder} holds parameter {unknown[0]}"
                                        f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}, which is "
                                        f"not in the model: it was saved from another model")
+    if kept:
+        checkpoint.notes.append(f"{len(kept)} frozen weights ({kept[0]}, ...) are not in the checkpoint (saved "
+                                f"without frozen parameters) and keep the model's values")
     return sources
 
 
@@ -225,7 +234,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: nn.Module, optimizer: Any
     scheduler = getattr(scheduler, "scheduler", scheduler)
     checkpoint = read_deepspeed_checkpoint(path, tag)
     aliases = _names_by_object(model)
-    sources = _model_sources(checkpoint, model.state_dict(), aliases)  # DTensors: global shapes, no collective
+    sources = _model_sources(checkpoint, model, aliases)
     saved_schedule = scheduler_state if scheduler_state is not None else checkpoint.lr_scheduler
     if scheduler is not None:
         _check_scheduler(scheduler, saved_schedule, str(checkpoint.folder))
@@ -234,7 +243,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: nn.Module, optimizer: Any
     if optimizer is not None:
         sources.update(_optimizer_sources(checkpoint, state["optimizer"], optimizer, aliases))
         _group_hyperparameters(checkpoint, state["optimizer"]["param_groups"], aliases)
-    tensors = {"model": state["model"]}
+    tensors = {"model": {k: v for k, v in state["model"].items() if f"model.{k}" in sources}}
     if optimizer is not None:
         tensors["optimizer"] = {"state": state["optimizer"]["state"]}
     with warnings.catch_warnings():  # one process without a process group is what DCP is told here

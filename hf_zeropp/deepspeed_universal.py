@@ -11,7 +11,6 @@ The layout, as DeepSpeed 0.19.8 writes and reads it: a tag folder holding ``zero
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -163,7 +162,6 @@ def write_universal(output: str | os.PathLike, *, weights: dict[str, torch.Tenso
                     "random_ltd": None, "ds_config": {}}
     torch.save(model_states, partial / "mp_rank_00_model_states.pt")  # read by DeepSpeed's ZeRO-1/2 engine
     torch.save(model_states, partial / "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ... and its ZeRO-3 engine
-    (partial / "hf_zeropp_export.json").write_text(json.dumps({"step": step, "world_size": world_size}))
     final = output / tag
     if final.exists():
         shutil.rmtree(final)

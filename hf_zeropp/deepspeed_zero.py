@@ -50,15 +50,24 @@ def read_zero(folder: Path, model_states: dict[str, Any]) -> DeepSpeedCheckpoint
             f"{folder / f'{prefix}zero_pp_rank_{missing[0] if missing else 0}_mp_rank_00_optim_states.pt'} is "
             f"missing: the checkpoint was written by {world} ranks and holds {len(files)} optimizer partition files; "
             f"use a complete copy")
-    ranks = [load_file(files[r])["optimizer_state_dict"] for r in range(world)]
+    if len(files) != world:
+        raise DeepSpeedCheckpointError(f"{folder} holds {len(files)} optimizer partition files, but its model states "
+                                       f"record {world} ranks: files of several saves are mixed; use one save's")
+    ranks = []
+    for rank in range(world):
+        content = load_file(files[rank])
+        state = content.get("optimizer_state_dict") if isinstance(content, dict) else None
+        if not isinstance(state, dict):
+            raise DeepSpeedCheckpointError(f"{files[rank]} holds no ZeRO optimizer partition (no "
+                                           f"optimizer_state_dict): not a file DeepSpeed's ZeRO engine wrote")
+        counts = state.get("partition_count")
+        if set(counts if isinstance(counts, list) else [counts]) != {world}:
+            raise DeepSpeedCheckpointError(
+                f"{files[rank]} records a partition count of {counts}, but the checkpoint was written by {world} "
+                f"ranks: it comes from another save (another world size), or from expert parallelism's differently "
+                f"sized groups, which cannot be read")
+        ranks.append(state)
     first = ranks[0]
-    counts = first.get("partition_count")
-    count = max(counts) if isinstance(counts, list) else counts
-    if count != world or len(files) != world:
-        raise DeepSpeedCheckpointError(
-            f"{folder} holds {len(files)} optimizer partition files for {world} ranks, but they record a partition "
-            f"count of {counts}: a layout with differently sized partition groups (expert parallelism) cannot be "
-            f"read")
     stage = int(first.get("zero_stage", 1))  # DeepSpeed's bf16 optimizer (a ZeRO-1 layout) records no stage
     common = common_fields(model_states, folder)
     shapes = group_names(model_states, folder)
@@ -110,7 +119,8 @@ def _zero12_parameters(folder: Path, files: dict[int, Path], ranks: list[dict], 
     groups = hyperparameters(first["base_optimizer_state"]["param_groups"]) if rigid else []
     if len(shapes) != len(first["single_partition_of_fp32_groups"]):
         raise DeepSpeedCheckpointError(f"{files[0]} holds {len(first['single_partition_of_fp32_groups'])} flat groups "
-                                       f"but the model-states file names {len(shapes)}: the files do not belong together")
+                                       f"but the model-states file names {len(shapes)}: the files do not belong "
+                                       f"together")
     parameters: dict[str, ParameterState] = {}
     for g, names in enumerate(shapes):
         pieces: dict[str, dict[str, FlatPieces]] = {name: {"fp32": FlatPieces()} for name in names}

@@ -143,50 +143,8 @@ def _cli(*args: str) -> str:
 # ---------------------------------------------------------------- resuming them, two launches
 
 
-def _train(model, optimizer, scheduler, scaler=None) -> dict:
-    from hf_zeropp.full_state import consolidated_state_dict
-
-    losses, lrs = [], []
-    for step in range(SAVED_AT, SAVED_AT + recipe.STEPS_AFTER_SAVE):
-        ids = recipe.local_batch(step)
-        loss = model(input_ids=ids, labels=ids).loss
-        lrs.append(optimizer.param_groups[0]["lr"])
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(recipe.mean_over_ranks(loss))
-    return {"losses": losses, "lrs": lrs, "weights": consolidated_state_dict(model)}
-
-
 def _resume_one(name: str, preset: str) -> dict:
-    import hf_zeropp
-    from hf_zeropp.deepspeed_optim import build_scheduler
-
-    record = expected(name)
-    model = recipe.tiny_gpt2(seed=5)  # other initial weights: only the checkpoint can make them right
-    config = hf_zeropp.ZeroPPConfig.coerce(preset).to_dict()
-    hf_zeropp.shard_model(model, {**config, "mixed_precision": "no" if record["precision"] == "fp32"
-                                  else record["precision"]})
-    optimizer = recipe.make_optimizer(model)
-    scheduler = (build_scheduler(optimizer, record["scheduler"]) if "scheduler" in record
-                 else recipe.make_scheduler(optimizer))
-    scaler = None
-    if record["precision"] == "fp16":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(device="cpu")
-    load_deepspeed_checkpoint(FIXTURES / name / "checkpoint", model, optimizer, scheduler, grad_scaler=scaler)
-    result = _train(model, optimizer, scheduler, scaler)
-    result["not_restored"] = hf_zeropp.comm_stats(model)["implementations"].get("deepspeed_checkpoint")
-    if scaler is not None:
-        result["loss_scale"] = float(scaler.get_scale())
-    return result
+    return recipe.resume_under_hf_zeropp(FIXTURES / name / "checkpoint", expected(name), preset)
 
 
 def _accelerator_load_state(name: str) -> dict:
@@ -199,7 +157,7 @@ def _accelerator_load_state(name: str) -> dict:
     optimizer = recipe.make_optimizer(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, recipe.make_scheduler(optimizer))
     accelerator.load_state(str(FIXTURES / name / "checkpoint"))
-    return _train(model, optimizer, scheduler)
+    return recipe.train_after_save(model, optimizer, scheduler)
 
 
 def _bad_checkpoint_message() -> str:
@@ -232,7 +190,7 @@ def _converted_resume(converted: str) -> dict:
     optimizer = recipe.make_optimizer(model)
     scheduler = recipe.make_scheduler(optimizer)
     hf_zeropp.load_checkpoint(converted, model, optimizer, scheduler)
-    return _train(model, optimizer, scheduler)
+    return recipe.train_after_save(model, optimizer, scheduler)
 
 
 def _two_ranks(converted: str) -> dict:
@@ -416,7 +374,9 @@ def test_layouts_that_cannot_be_read_are_refused(tmp_path):
     for rank in (0, 1):
         name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         shutil.copy(other / name, mixed / "global_step3" / name)
-    with pytest.raises(DeepSpeedCheckpointError, match="partition count of \\[2, 2\\]"):
+    with pytest.raises(DeepSpeedCheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt records a "
+                                                        r"partition count of \[2, 2\], but the checkpoint was written "
+                                                        r"by 4 ranks"):
         _single_process_resume(mixed)
     parallel = _copy("zero1_fp32_w2", tmp_path)
     shutil.copy(parallel / "global_step3" / "mp_rank_00_model_states.pt",
@@ -502,3 +462,23 @@ def test_paths_that_would_drop_the_optimizer_state_refuse_a_deepspeed_checkpoint
         hf_zeropp.load_checkpoint(FIXTURES / "zero1_fp32_w2" / "checkpoint", model)
     assert find_deepspeed_folder(TRAINER / "checkpoint-6").name == "global_step6"
     assert find_deepspeed_folder(TRAINER) is None
+
+
+def test_frozen_weights_the_checkpoint_left_out_keep_the_models_values(tmp_path):
+    """A checkpoint saved without frozen parameters (the Trainer saves PEFT models so): the model's frozen weights
+    keep their values, as under DeepSpeed's own resume, and the warning says so; the rest is restored."""
+    folder = tmp_path / "universal"
+    shutil.copytree(FIXTURES / "universal_from_zero2_fp32_w4" / "checkpoint", folder)
+    shutil.rmtree(folder / "global_step3" / "zero" / "transformer.wpe.weight")
+    _rewrite(folder / "global_step3" / "mp_rank_00_model_states.pt",
+             lambda data: [group.pop("transformer.wpe.weight", None) for group in data["param_shapes"]])
+    model = recipe.tiny_gpt2(seed=5)
+    model.transformer.wpe.weight.requires_grad_(False)
+    frozen = model.transformer.wpe.weight.detach().clone()
+    optimizer = recipe.make_optimizer(model)
+    with pytest.warns(UserWarning, match=r"1 frozen weights \(transformer.wpe.weight, ...\) are not in the "
+                                         r"checkpoint .* keep the model's values"):
+        load_deepspeed_checkpoint(folder, model, optimizer, recipe.make_scheduler(optimizer))
+    assert torch.equal(model.transformer.wpe.weight, frozen)
+    saved = read_deepspeed_checkpoint(FIXTURES / "universal_from_zero2_fp32_w4" / "checkpoint")
+    assert torch.equal(model.transformer.wte.weight, _full(saved, "transformer.wte.weight"))

@@ -1,23 +1,23 @@
 """Write the DeepSpeed checkpoint fixtures in tests/fixtures/deepspeed/checkpoints, with what DeepSpeed's own resume of
 each gives, so that the main CI (no DeepSpeed) can resume them under hf_zeropp and compare.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv-deepspeed/bin/python -m scripts.deepspeed_reference.checkpoints [--only NAME ...]
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv-deepspeed/bin/python -m scripts.deepspeed_reference.checkpoints
 
-Engine fixtures (``zero{1,2,3}_{fp32,bf16,fp16}_w{2,4}``): DeepSpeed's engine trains the recipe of
-:mod:`scripts.deepspeed_reference.recipe` for 3 steps on 2 or 4 CPU ranks and saves (``checkpoint/``: ``latest``,
-``global_step3/``); the same run goes on for 3 more steps (uninterrupted); a fresh engine, built from other initial
-weights, loads the checkpoint and trains the same 3 steps (DeepSpeed's own resume). ``expected.json`` records the losses
-and learning rates of all three, ``ds_resumed_weights.safetensors`` the resumed run's final fp32 weights, and
-``distance`` how far DeepSpeed's uninterrupted run lands from one process training the same steps without sharding
-(``recipe.single_process_run``): the tolerance hf_zeropp's resume is held to. ``universal_from_zero2_fp32_w4`` is
+(``--only NAME ...`` for some.) Engine fixtures (:data:`ENGINE_FIXTURES`: ZeRO-1/2/3 in fp32, bf16 and fp16 on 2 or
+4 CPU ranks, one with DeepSpeed's own WarmupDecayLR): DeepSpeed's engine trains the recipe of
+:mod:`scripts.deepspeed_reference.recipe` for 3 steps and saves (``checkpoint/``: ``latest``, ``global_step3/``); the
+same run goes on for 3 more steps (uninterrupted); a fresh engine, built from other initial weights, loads the
+checkpoint and trains the same 3 steps (DeepSpeed's own resume). ``expected.json`` records the losses and learning
+rates of all three, ``ds_resumed_weights.safetensors`` the resumed run's final fp32 weights, and ``distance`` how far
+DeepSpeed's uninterrupted run lands from one process training the same steps unsharded
+(``recipe.single_process_run``): the yardstick hf_zeropp's resume is held to. ``universal_from_zero2_fp32_w4`` is
 ``ds_to_universal``'s conversion of that fixture's checkpoint, resumed by DeepSpeed on 2 ranks.
 
-``trainer_zero3_bf16_w4``: ``tests/launch_scripts/trainer_resumable.py`` (a stock Trainer script) under DeepSpeed ZeRO-3
-on 4 ranks in bf16 with the Transformers-docs config; ``checkpoint-6/`` is its Trainer checkpoint, ``uninterrupted.json``
-and ``resumed.json`` the Trainer logs of 12 steps straight and of DeepSpeed's own resume from step 6, and
-``single_process.json`` the same script's log in one process without DeepSpeed (the yardstick).
+``trainer_zero3_bf16_w4``: ``tests/launch_scripts/trainer_resumable.py`` (a stock Trainer script) under DeepSpeed
+ZeRO-3 on 4 ranks in bf16 with the Transformers-docs config; ``checkpoint-6/`` is its Trainer checkpoint;
+``uninterrupted.json`` and ``resumed.json`` the Trainer logs of 12 steps straight and of DeepSpeed's own resume from
+step 6, and ``single_process.json`` the same script's log in one process without DeepSpeed (the yardstick).
 """
-
 from __future__ import annotations
 
 import argparse
@@ -66,6 +66,8 @@ TRAINER_DS_CONFIG = {
     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
 }
+# what the Trainer says at --log_level info when it resumes checkpoint-6
+RESUMED_MESSAGE = "Resuming training from checkpoint with epoch 0 and global step 6"
 TRAINER_ARGS = ["--max_steps", "12", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
                 "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "6",
                 "--report_to", "none", "--use_cpu", "--bf16", "--seed", "7", "--warmup_steps", "2",
@@ -149,7 +151,8 @@ def engine_worker(spec: dict, out: Path) -> None:
         if "uninterrupted" in records:
             records["distance"] = {
                 "loss": max(abs(a - b) for a, b in zip(records["uninterrupted"]["losses"][before:], losses[before:])),
-                "weight": max(float((uninterrupted_weights[k] - single_weights[k]).abs().max()) for k in single_weights),
+                "weight": max(float((uninterrupted_weights[k] - single_weights[k]).abs().max())
+                              for k in single_weights),
                 "resume_vs_uninterrupted_loss": max(abs(a - b) for a, b in zip(
                     records["ds_resumed"]["losses"], records["uninterrupted"]["losses"][before:])),
             }
@@ -172,14 +175,15 @@ def _environment() -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _run(command: list[str], log_name: str) -> str:
+def run_logged(command: list[str], log_name: str) -> str:
+    """Run ``command`` with DeepSpeed's CPU environment, its output in a log file; an error quotes the log's end."""
     LOGS.mkdir(exist_ok=True)
     log = LOGS / log_name
     with open(log, "w") as handle:
         result = subprocess.run(command, cwd=ROOT, env=_environment(), stdout=handle, stderr=subprocess.STDOUT)
     if result.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed ({result.returncode}); see {log}:\n"
-                         + "\n".join(log.read_text().splitlines()[-40:]))
+        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}); see {log}:\n"
+                           + "\n".join(log.read_text().splitlines()[-40:]))
     return log.read_text()
 
 
@@ -187,13 +191,27 @@ def _torchrun(world: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", _port()]
 
 
-def generate_engine_fixture(name: str, spec: dict) -> None:
-    out = FIXTURES / name
+def _engine_worker(spec: dict, out: Path) -> list[str]:
+    return [*_torchrun(spec["world"]), "-m", "scripts.deepspeed_reference.checkpoints", "--worker", json.dumps(spec),
+            "--out", str(out)]
+
+
+def generate_engine_fixture(name: str, spec: dict, root: Path = FIXTURES) -> dict:
+    """DeepSpeed trains, saves and resumes ``spec``'s run into ``root/name``; returns its ``expected.json``."""
+    out = root / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    _run([*_torchrun(spec["world"]), "-m", "scripts.deepspeed_reference.checkpoints", "--worker", json.dumps(spec),
-          "--out", str(out)], f"{name}.log")
+    run_logged(_engine_worker(spec, out), f"{name}.log")
     _drop_copied_reader(out / "checkpoint")
+    return json.loads((out / "expected.json").read_text())
+
+
+def deepspeed_resume(folder: Path, spec: dict) -> dict:
+    """DeepSpeed resumes the checkpoint in ``folder/checkpoint`` (a universal one when ``spec["universal"]``) and
+    trains the recipe's remaining steps; returns what it recorded (``ds_resumed``: losses and learning rates; final
+    fp32 weights in ``folder/ds_resumed_weights.safetensors``)."""
+    run_logged(_engine_worker(spec, folder), f"resume_{folder.name}.log")
+    return json.loads((folder / "expected.json").read_text())
 
 
 def _drop_copied_reader(folder: Path) -> None:
@@ -202,23 +220,27 @@ def _drop_copied_reader(folder: Path) -> None:
         (folder / script).unlink(missing_ok=True)
 
 
-def generate_universal_fixture() -> None:
+def generate_universal_fixture(root: Path = FIXTURES) -> None:
     name, source, world = UNIVERSAL_FIXTURE
-    out = FIXTURES / name
+    out = root / name
     shutil.rmtree(out, ignore_errors=True)
     (out / "checkpoint").mkdir(parents=True)
     tag = f"global_step{recipe.STEPS_BEFORE_SAVE}"
-    _run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-          str(FIXTURES / source / "checkpoint" / tag), "--output_folder", str(out / "checkpoint" / tag),
+    run_logged([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+          str(root / source / "checkpoint" / tag), "--output_folder", str(out / "checkpoint" / tag),
           "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
          f"{name}.convert.log")
-    spec = {**ENGINE_FIXTURES[source], "world": world, "universal": True, "source": source}
-    _run([*_torchrun(world), "-m", "scripts.deepspeed_reference.checkpoints", "--worker", json.dumps(spec),
-          "--out", str(out)], f"{name}.log")
+    deepspeed_resume(out, {**ENGINE_FIXTURES[source], "world": world, "universal": True, "source": source})
 
 
-def generate_trainer_fixture() -> None:
-    out = FIXTURES / TRAINER_FIXTURE
+def trainer_command(config: Path, output: Path, *extra: str) -> list[str]:
+    """The stock Trainer script under DeepSpeed on 4 CPU ranks (its config at ``config``)."""
+    return [*_torchrun(4), str(TRAINER_SCRIPT), "--deepspeed", str(config), *TRAINER_ARGS, "--output_dir",
+            str(output), *extra]
+
+
+def generate_trainer_fixture(root: Path = FIXTURES) -> None:
+    out = root / TRAINER_FIXTURE
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     work = out.parent / f".{TRAINER_FIXTURE}.work"
@@ -226,18 +248,17 @@ def generate_trainer_fixture() -> None:
     work.mkdir()
     config = work / "ds_config.json"
     config.write_text(json.dumps(TRAINER_DS_CONFIG, indent=1))
-    base = [*_torchrun(4), str(TRAINER_SCRIPT), "--deepspeed", str(config), *TRAINER_ARGS]
-    _run([*base, "--output_dir", str(work / "uninterrupted")], "trainer_uninterrupted.log")
+    run_logged(trainer_command(config, work / "uninterrupted"), "trainer_uninterrupted.log")
     shutil.copytree(work / "uninterrupted" / "checkpoint-6", out / "checkpoint-6")
     _drop_copied_reader(out / "checkpoint-6")
-    log = _run([*base, "--output_dir", str(work / "resumed"), "--resume_from_checkpoint", str(out / "checkpoint-6"),
-                "--log_level", "info"], "trainer_resumed.log")
-    if "Resuming training from checkpoint with epoch 0 and global step 6" not in log:
-        raise SystemExit(f"the resumed Trainer run did not resume from checkpoint-6; see {LOGS / 'trainer_resumed.log'}")
+    log = run_logged(trainer_command(config, work / "resumed", "--resume_from_checkpoint", str(out / "checkpoint-6"),
+                               "--log_level", "info"), "trainer_resumed.log")
+    if RESUMED_MESSAGE not in log:
+        raise RuntimeError(f"the resumed Trainer run did not resume from checkpoint-6; see {LOGS}/trainer_resumed.log")
     # the yardstick: one process, no DeepSpeed, the same 8 sequences per step (stock bf16 autocast)
     single = [a if a != "2" or TRAINER_ARGS[i - 1] != "--per_device_train_batch_size" else "8"
               for i, a in enumerate(TRAINER_ARGS)]
-    _run([sys.executable, str(TRAINER_SCRIPT), *single, "--output_dir", str(work / "single_process")],
+    run_logged([sys.executable, str(TRAINER_SCRIPT), *single, "--output_dir", str(work / "single_process")],
          "trainer_single_process.log")
     (out / "ds_config.json").write_text(config.read_text())
     for run in ("uninterrupted", "resumed", "single_process"):

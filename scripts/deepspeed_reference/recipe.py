@@ -1,5 +1,6 @@
 """The training run behind the DeepSpeed checkpoint fixtures, shared by their generator (which runs it under DeepSpeed)
-and by the tests (which resume it under hf_zeropp). Importing this module needs no DeepSpeed.
+and by the tests (which resume it under hf_zeropp: :func:`resume_under_hf_zeropp`). Importing this module needs no
+DeepSpeed.
 
 A tiny GPT-2 (vocabulary 64, 2 layers of width 32) learns counting sequences (each row steps through the vocabulary
 from a random start), 8 rows per global batch, each rank taking its contiguous slice, so any world size dividing 8
@@ -103,3 +104,52 @@ def single_process_run(steps: int, precision: str, lrs: list[float] | None = Non
         scheduler.step()
         optimizer.zero_grad()
     return losses, used, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def train_after_save(model, optimizer, scheduler, scaler=None) -> dict:
+    """The steps after the save (on every rank of a sharded model): losses averaged over the ranks, the learning
+    rate each step applied, and the final weights (consolidated on rank 0)."""
+    from hf_zeropp.full_state import consolidated_state_dict
+
+    losses, lrs = [], []
+    for step in range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE):
+        ids = local_batch(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        lrs.append(optimizer.param_groups[0]["lr"])
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(mean_over_ranks(loss))
+    return {"losses": losses, "lrs": lrs, "weights": consolidated_state_dict(model)}
+
+
+def resume_under_hf_zeropp(checkpoint, record: dict, preset: str) -> dict:
+    """Resume the DeepSpeed checkpoint ``checkpoint`` (a fixture's, described by its ``expected.json`` ``record``)
+    with hf_zeropp's ``preset`` from other initial weights, and train the steps after the save
+    (:func:`train_after_save`, plus what ``comm_stats`` says was not restored and the fp16 loss scale)."""
+    import hf_zeropp
+    from hf_zeropp.deepspeed_optim import build_scheduler
+
+    model = tiny_gpt2(seed=5)  # other initial weights: only the checkpoint can make them right
+    config = hf_zeropp.ZeroPPConfig.coerce(preset).to_dict()
+    hf_zeropp.shard_model(model, {**config, "mixed_precision": "no" if record["precision"] == "fp32"
+                                  else record["precision"]})
+    optimizer = make_optimizer(model, record.get("single_group", False))
+    scheduler = build_scheduler(optimizer, record["scheduler"]) if "scheduler" in record else make_scheduler(optimizer)
+    scaler = None
+    if record["precision"] == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device="cpu")
+    hf_zeropp.load_deepspeed_checkpoint(checkpoint, model, optimizer, scheduler, grad_scaler=scaler)
+    result = train_after_save(model, optimizer, scheduler, scaler)
+    result["not_restored"] = hf_zeropp.comm_stats(model)["implementations"].get("deepspeed_checkpoint")
+    if scaler is not None:
+        result["loss_scale"] = float(scaler.get_scale())
+    return result
