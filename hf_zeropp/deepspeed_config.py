@@ -200,8 +200,16 @@ def check_training_sections(training: dict[str, Any]) -> None:
             raise ValueError(f"DeepSpeed config {key}={value!r} must be a number or \"auto\"")
 
 
-def deepspeed_key_table() -> list[tuple[str, str]]:
-    """Every DeepSpeed config key hf_zeropp knows, with what happens to it: docs/design.md's table."""
+def deepspeed_key_table() -> str:
+    """README's and docs/design.md's table of every DeepSpeed config key: mapped, ignored with a warning, or
+    refused."""
+    rows = ["| DeepSpeed key | on hf_zeropp |", "|---|---|"]
+    rows += [f"| `{key}` | {fate} |" for key, fate in _key_fates()]
+    rows.append("| any other key | refused: named, with the keys hf_zeropp maps |")
+    return "\n".join(rows)
+
+
+def _key_fates() -> list[tuple[str, str]]:
     rows = [(f"zero_optimization.{key}", f"mapped: `{option}`") for key, option in MAPPED.items()]
     rows += [(f"zero_optimization.{key}.device", "cpu: mapped to `cpu_offload` (FSDP2 CPUOffloadPolicy); nvme: "
                                                 "refused") for key in OFFLOAD]

@@ -42,8 +42,9 @@ import yaml
 from .config import ZeroPPConfig
 from .deepspeed_training import check_batch_sizes
 from .failure_report import FRESH_STORE_VARIABLE
-from .fsdp_settings import (CONFIG_GIVEN_VARIABLE, PARALLELISM_CONFIG_REFUSED, SETTINGS_VARIABLE, FsdpSettings,
-                            from_accelerate, from_training_arguments, zeropp_given)
+from .fsdp_keys import PARALLELISM_CONFIG_REFUSED
+from .fsdp_settings import (CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, FsdpSettings, from_accelerate,
+                            from_training_arguments, zeropp_given)
 from .topology import Topology
 
 CONFIG_KEY = "zeropp"

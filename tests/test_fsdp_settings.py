@@ -24,8 +24,10 @@ import yaml
 
 from hf_zeropp import ZeroPPConfig, fsdp_settings
 from hf_zeropp.dropin import describe
-from hf_zeropp.fsdp_settings import (ACCELERATE_KEYS, CONFIG_GIVEN_VARIABLE, IGNORED, MAPPED, REFUSED_KEYS,
-                                     REFUSED_VALUES, SETTINGS_VARIABLE, TRAINER_KEYS, FsdpSettings, key_table)
+from hf_zeropp import fsdp_keys
+from hf_zeropp.fsdp_keys import (ACCELERATE_KEYS, IGNORED, MAPPED, REFUSED_KEYS, REFUSED_VALUES, TRAINER_KEYS,
+                                 key_table)
+from hf_zeropp.fsdp_settings import CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, FsdpSettings
 from hf_zeropp.launch import LOAD_IN_SLICES, launch, parser, prepare
 from hf_zeropp.testing.tiny_models import tiny_gpt2
 from hf_zeropp.topology import Topology
@@ -113,7 +115,7 @@ def test_an_fsdp_yaml_runs_as_zero3_with_the_users_settings_and_no_fsdp_variable
     assert not any(name.startswith("FSDP_") or name.endswith("_FSDP") for name in environment)
     warned = capsys.readouterr().err.strip().splitlines()
     assert warned == ["hf-zeropp launch: warning: fsdp_state_dict_type=SHARDED_STATE_DICT in the Accelerate config's "
-                      "fsdp_config: " + fsdp_settings.CHECKPOINT_DIFFERENCES["SHARDED_STATE_DICT"],
+                      "fsdp_config: " + fsdp_keys.CHECKPOINT_DIFFERENCES["SHARDED_STATE_DICT"],
                       "hf-zeropp launch: warning: fsdp_use_orig_params=True in the Accelerate config's fsdp_config: "
                       "ignored: FSDP2 always keeps the original parameters"]
     settings = FsdpSettings.from_json(environment[SETTINGS_VARIABLE])
@@ -266,7 +268,7 @@ def test_trainer_fsdp_arguments_become_the_zeropp_config_and_set_no_fsdp_plugin_
     assert not any(name.startswith("FSDP_") or name.endswith("_FSDP") for name in os.environ)
     said = [str(w.message) for w in recwarn if str(w.message).startswith("hf_zeropp:")]
     assert said == ["hf_zeropp: state_dict_type=FULL_STATE_DICT in TrainingArguments' fsdp and fsdp_config: "
-                    + fsdp_settings.CHECKPOINT_DIFFERENCES["FULL_STATE_DICT"],
+                    + fsdp_keys.CHECKPOINT_DIFFERENCES["FULL_STATE_DICT"],
                     "hf_zeropp: backward_prefetch='BACKWARD_PRE' in TrainingArguments' fsdp and fsdp_config: ignored: "
                     "FSDP2 prefetches one unit ahead in backward (BACKWARD_PRE's order), whatever this says"]
     with pytest.raises(ValueError, match=r"fsdp='shard_grad_op' in TrainingArguments' fsdp and fsdp_config means "

@@ -163,7 +163,8 @@ TRAINER_FSDP_CONFIG = {"transformer_layer_cls_to_wrap": ["GPT2Attention", "GPT2M
                        "use_orig_params": True}
 DEEPSPEED_ZEROPP = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
                                           "zero_quantized_gradients": True},
-                    "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}}
+                    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                    "bf16": {"enabled": "auto"}}
 
 
 def _launch_on_two_machines(*args: str) -> None:
@@ -547,4 +548,6 @@ def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(
     written = yaml.safe_load(Path(args.config_file).read_text())
     assert "deepspeed_config" not in written and written["distributed_type"] == "MULTI_GPU" and not args.use_deepspeed
     mapped = ZeroPPConfig.from_dict(json.loads(environment["ZEROPP_CONFIG"]))
-    assert mapped == ZeroPPConfig(stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True)
+    assert mapped == ZeroPPConfig(stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
+                                  deepspeed_training={key: DEEPSPEED_ZEROPP[key] for key in (
+                                      "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16")})
