@@ -35,10 +35,6 @@ from .deepspeed_universal import write_universal
 _DEEPSPEED_ONLY = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
-# torch.optim.Adam / AdamW hyperparameters a DeepSpeed optimizer's group may lack (FusedAdam, DeepSpeedCPUAdam): the
-# values torch's constructor gives them, so that hf_zeropp's optimizer finds every key it saves and loads
-_ADAM_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-                  "fused": None, "decoupled_weight_decay": False}
 
 
 def _on_rank_zero(work) -> Any:
@@ -84,17 +80,30 @@ def deepspeed_full_state(checkpoint: DeepSpeedCheckpoint) -> tuple[dict, dict, l
         if entry.step is not None:
             state["step"] = torch.tensor(entry.step)
         optimizer_state[name] = state
+    defaults = _optimizer_defaults(checkpoint)
     groups = []
     for index, group in enumerate(checkpoint.param_groups):
-        values = torch_hyperparameters(group)
-        if "betas" in values:  # an Adam group: give it every key torch's Adam/AdamW keeps
-            values = {**_ADAM_DEFAULTS, **values}
+        values = {**defaults, **torch_hyperparameters(group)}
         groups.append({**values, "params": [n for n, e in checkpoint.parameters.items() if e.group == index]})
     if not groups:
         raise DeepSpeedCheckpointError(f"{checkpoint.folder} records no optimizer parameter groups (DeepSpeed's "
                                        f"elastic format): resume it with hf_zeropp.load_deepspeed_checkpoint, which "
                                        f"keeps the optimizer's own hyperparameters, instead of converting it")
     return weights, optimizer_state, groups
+
+
+def _optimizer_defaults(checkpoint: DeepSpeedCheckpoint) -> dict[str, Any]:
+    """The hyperparameters hf_zeropp's optimizer keeps for the DeepSpeed config's ``optimizer`` section (the torch
+    optimizer :func:`hf_zeropp.deepspeed_optim.build_optimizer` makes of it): DeepSpeed's own optimizers keep fewer
+    (FusedAdam holds AdamW's decoupled decay as an attribute), and a converted checkpoint must hold every key the
+    resuming optimizer loads. None needed for a torch optimizer the script built: its groups hold them all."""
+    section = (checkpoint.model_states.get("ds_config") or {}).get("optimizer")
+    if not section:
+        return {}
+    from .deepspeed_optim import build_optimizer
+
+    probe = build_optimizer([torch.zeros(1, requires_grad=True)], section)
+    return {key: value for key, value in probe.param_groups[0].items() if key not in ("params", "lr")}
 
 
 def convert_deepspeed_checkpoint(source: str | Path, output: str | Path, *, tag: str | None = None) -> Path:

@@ -71,8 +71,14 @@ def test_every_fixture_reads_as_deepspeed_wrote_it(name):
     assert all(set(entry.state) == {"exp_avg", "exp_avg_sq"} for entry in checkpoint.parameters.values())
     assert [group["weight_decay"] for group in checkpoint.param_groups] == [recipe.WEIGHT_DECAY, 0.0]
     schedule = checkpoint.lr_scheduler
-    assert schedule == {"last_batch_iteration": SAVED_AT - 1} if "scheduler" in record else \
-        schedule["last_epoch"] == SAVED_AT
+    if "scheduler" in record:  # DeepSpeed's own scheduler
+        assert schedule == {"last_batch_iteration": SAVED_AT - 1}
+    elif record.get("accelerate"):  # Accelerate keeps the script's scheduler itself, stepped once per process
+        assert schedule is None
+        own = torch.load(FIXTURES / name / "checkpoint" / "scheduler.bin", weights_only=True)
+        assert own["last_epoch"] == SAVED_AT * record["world"]
+    else:  # the script's scheduler, which DeepSpeed's engine steps
+        assert schedule["last_epoch"] == SAVED_AT
 
 
 def _full(checkpoint, name: str, key: str = "fp32") -> torch.Tensor:
@@ -147,12 +153,13 @@ def _resume_one(name: str, preset: str) -> dict:
     return recipe.resume_under_hf_zeropp(FIXTURES / name / "checkpoint", expected(name), preset)
 
 
-def _accelerator_load_state(name: str) -> dict:
-    """``Accelerator.load_state`` on the folder DeepSpeed's ``save_checkpoint`` wrote."""
+def _accelerator_load_state(name: str, once_per_step: bool) -> dict:
+    """``Accelerator.load_state`` on the folder DeepSpeed's ``save_checkpoint`` wrote (the scheduler stepping once
+    per optimizer step, as DeepSpeed's engine steps it), or Accelerate's ``save_state`` under DeepSpeed (stepping as
+    Accelerate steps it, once per process)."""
     import hf_zeropp
 
-    # the scheduler steps once per optimizer step, as DeepSpeed's engine steps it (not once per process)
-    accelerator = hf_zeropp.Accelerator(zeropp="zero3", step_scheduler_with_optimizer=False)
+    accelerator = hf_zeropp.Accelerator(zeropp="zero3", step_scheduler_with_optimizer=not once_per_step)
     model = recipe.tiny_gpt2(seed=5)
     optimizer = recipe.make_optimizer(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, recipe.make_scheduler(optimizer))
@@ -177,7 +184,7 @@ def _bad_checkpoint_message() -> str:
 
 def _four_ranks() -> dict:
     results = {name: _resume_one(name, preset) for name, preset in ON_FOUR_RANKS.items()}
-    results["accelerator:zero3_fp32_w2"] = _accelerator_load_state("zero3_fp32_w2")
+    results["accelerator:zero3_fp32_w2"] = _accelerator_load_state("zero3_fp32_w2", once_per_step=True)
     return results
 
 
@@ -197,6 +204,8 @@ def _two_ranks(converted: str) -> dict:
     results = {name: _resume_one(name, preset) for name, preset in ON_TWO_RANKS.items()}
     results["converted:zero3_bf16_w4"] = _converted_resume(converted)
     results["bad"] = _bad_checkpoint_message()
+    results["accelerator:accelerate_zero2_fp32_w2"] = _accelerator_load_state("accelerate_zero2_fp32_w2",
+                                                                              once_per_step=False)
     return results
 
 
@@ -210,7 +219,7 @@ def resumed(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("run", [*ON_FOUR_RANKS, *ON_TWO_RANKS, "accelerator:zero3_fp32_w2",
-                                 "converted:zero3_bf16_w4"])
+                                 "accelerator:accelerate_zero2_fp32_w2", "converted:zero3_bf16_w4"])
 def test_resume_gives_deepspeeds_own_resume(resumed, run):
     """The learning rates of DeepSpeed's own resume exactly; its losses and final fp32 weights within twice its own
     distance from an unsharded run."""
@@ -241,13 +250,13 @@ def _trainer_steps(log: list[dict]) -> dict[int, dict]:
     return {entry["step"]: entry for entry in log if "loss" in entry}
 
 
-def _assert_resumed_as_deepspeed(log: list[dict]) -> None:
+def _assert_resumed_as_deepspeed(log: list[dict], fixture: Path = TRAINER) -> None:
     """Steps 7-12 after resuming checkpoint-6: DeepSpeed's learning rates, and the losses of DeepSpeed's own resume
     within twice DeepSpeed's distance from the same script in one process; step 7 (DeepSpeed's fp32 weights, one
     bf16 forward on the same batch) equal to it."""
-    ours, deepspeed = _trainer_steps(log), _trainer_steps(json.loads((TRAINER / "resumed.json").read_text()))
-    single = _trainer_steps(json.loads((TRAINER / "single_process.json").read_text()))
-    uninterrupted = _trainer_steps(json.loads((TRAINER / "uninterrupted.json").read_text()))
+    ours, deepspeed = _trainer_steps(log), _trainer_steps(json.loads((fixture / "resumed.json").read_text()))
+    single = _trainer_steps(json.loads((fixture / "single_process.json").read_text()))
+    uninterrupted = _trainer_steps(json.loads((fixture / "uninterrupted.json").read_text()))
     assert sorted(ours) == list(range(1, 13))
     distance = max(abs(uninterrupted[s]["loss"] - single[s]["loss"]) for s in range(1, 13))
     for step in range(7, 13):
@@ -257,9 +266,9 @@ def _assert_resumed_as_deepspeed(log: list[dict]) -> None:
     assert ours[7]["loss"] == pytest.approx(deepspeed[7]["loss"], rel=1e-6)
 
 
-def _converted_trainer_run(converted: str, output: str) -> list[dict]:
-    """tests/launch_scripts/trainer_resumable.py's model, data and arguments, with ZeroPPTrainer, resuming the
-    Trainer checkpoint ``hf-zeropp from-deepspeed`` made of DeepSpeed's checkpoint-6."""
+def _trainer_resume_run(checkpoint: str, output: str, fixture: str) -> list[dict]:
+    """tests/launch_scripts/trainer_resumable.py's model, data and arguments (and the fixture's DeepSpeed config),
+    with ZeroPPTrainer, resuming ``checkpoint``."""
     import hf_zeropp
     from transformers import GPT2Config, GPT2LMHeadModel, set_seed
 
@@ -272,9 +281,9 @@ def _converted_trainer_run(converted: str, output: str) -> list[dict]:
     args = hf_zeropp.ZeroPPTrainingArguments(
         output_dir=output, max_steps=12, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=True, bf16=True, seed=7, warmup_steps=2, weight_decay=0.01,
-        dataloader_drop_last=True, deepspeed=str(TRAINER / "ds_config.json"))
+        dataloader_drop_last=True, deepspeed=str(Path(fixture) / "ds_config.json"))
     trainer = hf_zeropp.ZeroPPTrainer(model=model, args=args, train_dataset=data)
-    trainer.train(resume_from_checkpoint=converted)
+    trainer.train(resume_from_checkpoint=checkpoint)
     return trainer.state.log_history
 
 
@@ -286,8 +295,30 @@ def test_converted_trainer_checkpoint_resumes_as_deepspeed_resumed_it(tmp_path):
     assert {"model.safetensors", "zeropp_optimizer", "trainer_state.json", "rng_state_3.pth"} <= names
     assert not names & {"global_step6", "latest"}
     assert load_file(str(converted / "model.safetensors"))["transformer.wte.weight"].dtype == torch.float32
-    _assert_resumed_as_deepspeed(run_distributed(_converted_trainer_run, 4, str(converted), str(tmp_path / "out"),
-                                                 timeout=600)[0])
+    _assert_resumed_as_deepspeed(run_distributed(_trainer_resume_run, 4, str(converted), str(tmp_path / "out"),
+                                                 str(TRAINER), timeout=600)[0])
+
+
+def test_converting_a_checkpoint_of_deepspeeds_own_adamw_keeps_its_decoupled_weight_decay(tmp_path):
+    """DeepSpeed's FusedAdam keeps AdamW's decoupled weight decay outside its parameter groups: the converted groups
+    get the keys of the optimizer hf_zeropp builds from the same config section (torch AdamW's), not Adam's."""
+    from hf_zeropp.deepspeed_convert import _read_dcp
+
+    converted = convert_deepspeed_checkpoint(FIXTURES / "trainer_zero3_bf16_w4_ds_optimizer" / "checkpoint-6",
+                                             tmp_path / "checkpoint-6")
+    (group,) = _read_dcp(converted / "zeropp_optimizer")["optimizer"]["param_groups"]
+    assert group["decoupled_weight_decay"] is True and group["weight_decay"] == 0.01 and len(group["params"]) == 28
+    assert group["amsgrad"] is False and tuple(group["betas"]) == (0.9, 0.999)
+
+
+def test_trainer_checkpoint_with_deepspeeds_optimizer_and_scheduler_resumes_as_deepspeed_resumed_it(tmp_path):
+    """The docs' config with its optimizer (AdamW) and scheduler (WarmupLR) sections: ZeroPPTrainer builds them as
+    DeepSpeed does and resumes DeepSpeed's checkpoint-6 into them (DeepSpeed's optimizer state, its
+    ``{"last_batch_iteration": 5}`` scheduler state) as DeepSpeed resumed it."""
+    fixture = FIXTURES / "trainer_zero3_bf16_w4_ds_optimizer"
+    assert read_deepspeed_checkpoint(fixture / "checkpoint-6").lr_scheduler == {"last_batch_iteration": 5}
+    _assert_resumed_as_deepspeed(run_distributed(_trainer_resume_run, 4, str(fixture / "checkpoint-6"),
+                                                 str(tmp_path / "out"), str(fixture), timeout=600)[0], fixture)
 
 
 

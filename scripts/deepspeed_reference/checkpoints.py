@@ -17,6 +17,8 @@ DeepSpeed's uninterrupted run lands from one process training the same steps uns
 ZeRO-3 on 4 ranks in bf16 with the Transformers-docs config; ``checkpoint-6/`` is its Trainer checkpoint;
 ``uninterrupted.json`` and ``resumed.json`` the Trainer logs of 12 steps straight and of DeepSpeed's own resume from
 step 6, and ``single_process.json`` the same script's log in one process without DeepSpeed (the yardstick).
+``trainer_zero3_bf16_w4_ds_optimizer``: the same with the config's optimizer (AdamW) and scheduler (WarmupLR)
+sections, its yardstick the script under DeepSpeed in one process.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ ENGINE_FIXTURES = {
     "zero3_bf16_w4": {"stage": 3, "precision": "bf16", "world": 4},
     "zero2_fp16_w2": {"stage": 2, "precision": "fp16", "world": 2},
     # DeepSpeed's own scheduler (its config's section) on the Trainer's optimizer: a {"last_batch_iteration": k} state
+    # Accelerate's save_state under DeepSpeed (its tag folder pytorch_model/, random states beside it)
+    "accelerate_zero2_fp32_w2": {"stage": 2, "precision": "fp32", "world": 2, "accelerate": True},
     "zero2_fp32_w2_warmupdecay": {"stage": 2, "precision": "fp32", "world": 2, "scheduler": {
         "type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": recipe.LEARNING_RATE,
                                             "warmup_num_steps": recipe.WARMUP_STEPS, "warmup_type": "linear",
@@ -68,6 +72,14 @@ TRAINER_DS_CONFIG = {
 }
 # what the Trainer says at --log_level info when it resumes checkpoint-6
 RESUMED_MESSAGE = "Resuming training from checkpoint with epoch 0 and global step 6"
+# The same with the docs' optimizer and scheduler sections: DeepSpeed's AdamW and WarmupLR in place of the Trainer's
+TRAINER_DS_OPTIMIZER_CONFIG = {
+    **TRAINER_DS_CONFIG,
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+}
+TRAINER_FIXTURES = {TRAINER_FIXTURE: TRAINER_DS_CONFIG, f"{TRAINER_FIXTURE}_ds_optimizer": TRAINER_DS_OPTIMIZER_CONFIG}
 TRAINER_ARGS = ["--max_steps", "12", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
                 "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "6",
                 "--report_to", "none", "--use_cpu", "--bf16", "--seed", "7", "--warmup_steps", "2",
@@ -76,6 +88,7 @@ TRAINER_ARGS = ["--max_steps", "12", "--per_device_train_batch_size", "2", "--le
 
 def engine_config(stage: int, precision: str, world: int, universal: bool = False, scheduler: dict | None = None,
                   **_: object) -> dict:
+    """The DeepSpeed config of an engine fixture (the keys of :data:`ENGINE_FIXTURES`' specs)."""
     config = {"train_micro_batch_size_per_gpu": recipe.GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
               "bf16": {"enabled": precision == "bf16"}}
@@ -88,34 +101,78 @@ def engine_config(stage: int, precision: str, world: int, universal: bool = Fals
     return config
 
 
-def _build_engine(config: dict, seed: int, single_group: bool = False):
-    """The recipe's model and AdamW under DeepSpeed; the recipe's schedule unless the config has DeepSpeed's own."""
-    import deepspeed
+class _EngineRun:
+    """The recipe's model and AdamW under DeepSpeed's engine (the recipe's schedule unless the config has its own)."""
 
-    model = recipe.tiny_gpt2(seed)
-    optimizer = recipe.make_optimizer(model, single_group)
-    scheduler = None if "scheduler" in config else recipe.make_scheduler(optimizer)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    return engine
+    def __init__(self, config: dict, seed: int, single_group: bool = False) -> None:
+        import deepspeed
+
+        model = recipe.tiny_gpt2(seed)
+        optimizer = recipe.make_optimizer(model, single_group)
+        scheduler = None if "scheduler" in config else recipe.make_scheduler(optimizer)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    config=config)
+
+    def train(self, steps: range) -> dict[str, list[float]]:
+        losses, lrs = [], []
+        for step in steps:
+            ids = recipe.local_batch(step)
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            lrs.append(self.engine.get_lr()[0])
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(recipe.mean_over_ranks(loss))
+        return {"losses": losses, "lrs": lrs}
+
+    def save(self, folder: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(folder), tag=tag)
+
+    def load(self, folder: Path) -> None:
+        self.engine.load_checkpoint(str(folder))
+
+    def fp32_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 master copy (collective under ZeRO-3)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {name: safe_get_full_fp32_param(param).detach().clone()
+                for name, param in self.engine.module.named_parameters()}
 
 
-def _train(engine, steps: range) -> dict[str, list[float]]:
-    losses, lrs = [], []
-    for step in steps:
-        ids = recipe.local_batch(step)
-        loss = engine(input_ids=ids, labels=ids).loss
-        lrs.append(engine.get_lr()[0])
-        engine.backward(loss)
-        engine.step()
-        losses.append(recipe.mean_over_ranks(loss))
-    return {"losses": losses, "lrs": lrs}
+class _AccelerateRun(_EngineRun):
+    """The same under Accelerate's DeepSpeed integration, as a stock Accelerate script runs it: ``prepare``,
+    ``accelerator.backward``, ``save_state`` / ``load_state`` (a fresh Accelerator each time, as separate scripts)."""
 
+    def __init__(self, config: dict, seed: int, single_group: bool = False) -> None:
+        from accelerate import Accelerator, DeepSpeedPlugin
+        from accelerate.state import AcceleratorState, GradientState, PartialState
 
-def _fp32_weights(engine) -> dict[str, torch.Tensor]:
-    """Every parameter's full fp32 master copy (collective under ZeRO-3)."""
-    from deepspeed.utils import safe_get_full_fp32_param
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState(cpu=True)  # Accelerate's DeepSpeed path on CPU needs the CPU process group first
+        self.accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+        model = recipe.tiny_gpt2(seed)
+        optimizer = recipe.make_optimizer(model, single_group)
+        self.engine, self.optimizer, self.scheduler = self.accelerator.prepare(
+            model, optimizer, recipe.make_scheduler(optimizer))
 
-    return {name: safe_get_full_fp32_param(param).detach().clone() for name, param in engine.module.named_parameters()}
+    def train(self, steps: range) -> dict[str, list[float]]:
+        losses, lrs = [], []
+        for step in steps:
+            ids = recipe.local_batch(step)
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            lrs.append(self.optimizer.param_groups[0]["lr"])  # before backward: DeepSpeed's engine steps inside it
+            self.accelerator.backward(loss)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()
+            losses.append(recipe.mean_over_ranks(loss))
+        return {"losses": losses, "lrs": lrs}
+
+    def save(self, folder: Path, tag: str) -> None:
+        self.accelerator.save_state(str(folder))
+
+    def load(self, folder: Path) -> None:
+        self.accelerator.load_state(str(folder))
 
 
 def engine_worker(spec: dict, out: Path) -> None:
@@ -127,25 +184,27 @@ def engine_worker(spec: dict, out: Path) -> None:
     before, after = recipe.STEPS_BEFORE_SAVE, recipe.STEPS_BEFORE_SAVE + recipe.STEPS_AFTER_SAVE
     config = engine_config(**spec)
     single_group = spec.get("single_group", False)
+    kind = _AccelerateRun if spec.get("accelerate") else _EngineRun
     records = {}
     if not spec.get("universal"):
-        engine = _build_engine(config, seed=0, single_group=single_group)
-        first = _train(engine, range(before))
-        engine.save_checkpoint(str(out / "checkpoint"), tag=f"global_step{before}")
-        uninterrupted = _train(engine, range(before, after))
+        run = kind(config, seed=0, single_group=single_group)
+        first = run.train(range(before))
+        run.save(out / "checkpoint", f"global_step{before}")
+        uninterrupted = run.train(range(before, after))
         records["uninterrupted"] = {"losses": first["losses"] + uninterrupted["losses"],
                                     "lrs": first["lrs"] + uninterrupted["lrs"]}
-        uninterrupted_weights = _fp32_weights(engine)
-        del engine
-    engine = _build_engine(config, seed=1, single_group=single_group)  # other weights: the checkpoint must fix them
-    engine.load_checkpoint(str(out / "checkpoint"))
-    records["ds_resumed"] = _train(engine, range(before, after))
-    resumed_weights = _fp32_weights(engine)
+        uninterrupted_weights = run.fp32_weights()
+        del run
+    run = kind(config, seed=1, single_group=single_group)  # other weights: the checkpoint must fix them
+    run.load(out / "checkpoint")
+    records["ds_resumed"] = run.train(range(before, after))
+    resumed_weights = run.fp32_weights()
     if rank == 0:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in resumed_weights.items()}, str(out / "ds_resumed_weights.safetensors"))
-        schedule = records["uninterrupted"]["lrs"] if "uninterrupted" in records and "scheduler" in spec else None
+        # the learning rates DeepSpeed applied (its own schedule, or Accelerate's stepping once per process)
+        schedule = records["uninterrupted"]["lrs"] if "uninterrupted" in records else None
         losses, lrs, single_weights = recipe.single_process_run(after, spec["precision"], schedule, single_group)
         records["single_process"] = {"losses": losses, "lrs": lrs}
         if "uninterrupted" in records:
@@ -162,6 +221,7 @@ def engine_worker(spec: dict, out: Path) -> None:
             **spec, "deepspeed": ds.__version__, "torch": torch.__version__, "config": config,
             "steps_before_save": before, "steps_after_save": recipe.STEPS_AFTER_SAVE, **records}, indent=1))
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # else gloo sometimes aborts the process as it exits
 
 
 def _port() -> str:
@@ -239,27 +299,33 @@ def trainer_command(config: Path, output: Path, *extra: str) -> list[str]:
             str(output), *extra]
 
 
-def generate_trainer_fixture(root: Path = FIXTURES) -> None:
-    out = root / TRAINER_FIXTURE
+def generate_trainer_fixture(name: str = TRAINER_FIXTURE, root: Path = FIXTURES) -> None:
+    """DeepSpeed's Trainer run of :data:`TRAINER_FIXTURES` ``[name]``: 12 steps straight (saving checkpoint-6), its
+    own resume from checkpoint-6, and the yardstick, one process on the same 8 sequences per step: stock (bf16
+    autocast) for the Trainer's optimizer and schedule, DeepSpeed on one rank for DeepSpeed's own."""
+    config_values = TRAINER_FIXTURES[name]
+    out = root / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    work = out.parent / f".{TRAINER_FIXTURE}.work"
+    work = out.parent / f".{name}.work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     config = work / "ds_config.json"
-    config.write_text(json.dumps(TRAINER_DS_CONFIG, indent=1))
-    run_logged(trainer_command(config, work / "uninterrupted"), "trainer_uninterrupted.log")
+    config.write_text(json.dumps(config_values, indent=1))
+    run_logged(trainer_command(config, work / "uninterrupted"), f"{name}_uninterrupted.log")
     shutil.copytree(work / "uninterrupted" / "checkpoint-6", out / "checkpoint-6")
     _drop_copied_reader(out / "checkpoint-6")
     log = run_logged(trainer_command(config, work / "resumed", "--resume_from_checkpoint", str(out / "checkpoint-6"),
-                               "--log_level", "info"), "trainer_resumed.log")
+                                     "--log_level", "info"), f"{name}_resumed.log")
     if RESUMED_MESSAGE not in log:
-        raise RuntimeError(f"the resumed Trainer run did not resume from checkpoint-6; see {LOGS}/trainer_resumed.log")
-    # the yardstick: one process, no DeepSpeed, the same 8 sequences per step (stock bf16 autocast)
+        raise RuntimeError(f"the resumed Trainer run did not resume from checkpoint-6; see {LOGS}/{name}_resumed.log")
     single = [a if a != "2" or TRAINER_ARGS[i - 1] != "--per_device_train_batch_size" else "8"
               for i, a in enumerate(TRAINER_ARGS)]
-    run_logged([sys.executable, str(TRAINER_SCRIPT), *single, "--output_dir", str(work / "single_process")],
-         "trainer_single_process.log")
+    if "optimizer" in config_values:
+        launcher = [*_torchrun(1), str(TRAINER_SCRIPT), "--deepspeed", str(config)]
+    else:
+        launcher = [sys.executable, str(TRAINER_SCRIPT)]
+    run_logged([*launcher, *single, "--output_dir", str(work / "single_process")], f"{name}_single_process.log")
     (out / "ds_config.json").write_text(config.read_text())
     for run in ("uninterrupted", "resumed", "single_process"):
         history = json.loads((work / run / "trainer_state.json").read_text())["log_history"]
@@ -277,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         engine_worker(json.loads(args.worker), args.out)
         return 0
-    wanted = set(args.only or [*ENGINE_FIXTURES, UNIVERSAL_FIXTURE[0], TRAINER_FIXTURE])
+    wanted = set(args.only or [*ENGINE_FIXTURES, UNIVERSAL_FIXTURE[0], *TRAINER_FIXTURES])
     for name, spec in ENGINE_FIXTURES.items():
         if name in wanted:
             generate_engine_fixture(name, spec)
@@ -285,9 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     if UNIVERSAL_FIXTURE[0] in wanted:
         generate_universal_fixture()
         print("wrote", FIXTURES / UNIVERSAL_FIXTURE[0], flush=True)
-    if TRAINER_FIXTURE in wanted:
-        generate_trainer_fixture()
-        print("wrote", FIXTURES / TRAINER_FIXTURE, flush=True)
+    for name in TRAINER_FIXTURES:
+        if name in wanted:
+            generate_trainer_fixture(name)
+            print("wrote", FIXTURES / name, flush=True)
     return 0
 
 
