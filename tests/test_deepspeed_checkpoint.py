@@ -39,7 +39,8 @@ FLOOR = 1e-6
 
 # fixture -> (hf_zeropp preset, precision) per launch: each DeepSpeed world size resumed on the other one
 ON_FOUR_RANKS = {"zero1_fp32_w2": "zero2", "zero2_bf16_w2": "zero3", "zero3_fp32_w2": "hybrid",
-                 "zero2_fp16_w2": "zero3", "zero2_fp32_w2_warmupdecay": "zero1"}
+                 "zero2_fp16_w2": "zero3", "zero2_fp32_w2_warmupdecay": "zero1",
+                 "zero1_bf16_fp32_accumulation_w2": "zero3"}
 ON_TWO_RANKS = {"zero1_bf16_w4": "zero1", "zero2_fp32_w4": "zero3", "zero3_bf16_w4": "zero3",
                 "universal_from_zero2_fp32_w4": "zero2"}
 

@@ -4,7 +4,8 @@ each gives, so that the main CI (no DeepSpeed) can resume them under hf_zeropp a
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv-deepspeed/bin/python -m scripts.deepspeed_reference.checkpoints
 
 (``--only NAME ...`` for some.) Engine fixtures (:data:`ENGINE_FIXTURES`: ZeRO-1/2/3 in fp32, bf16 and fp16 on 2 or
-4 CPU ranks, one with DeepSpeed's own WarmupDecayLR): DeepSpeed's engine trains the recipe of
+4 CPU ranks, DeepSpeed's BF16_Optimizer, one with DeepSpeed's own WarmupDecayLR, one through Accelerate's
+``save_state``): DeepSpeed's engine trains the recipe of
 :mod:`scripts.deepspeed_reference.recipe` for 3 steps and saves (``checkpoint/``: ``latest``, ``global_step3/``); the
 same run goes on for 3 more steps (uninterrupted); a fresh engine, built from other initial weights, loads the
 checkpoint and trains the same 3 steps (DeepSpeed's own resume). ``expected.json`` records the losses and learning
@@ -49,6 +50,8 @@ ENGINE_FIXTURES = {
     "zero3_fp32_w2": {"stage": 3, "precision": "fp32", "world": 2},
     "zero3_bf16_w4": {"stage": 3, "precision": "bf16", "world": 4},
     "zero2_fp16_w2": {"stage": 2, "precision": "fp16", "world": 2},
+    # bf16 with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer, a ZeRO-1 layout of its own
+    "zero1_bf16_fp32_accumulation_w2": {"stage": 1, "precision": "bf16", "world": 2, "grad_accum_dtype": "fp32"},
     # DeepSpeed's own scheduler (its config's section) on the Trainer's optimizer: a {"last_batch_iteration": k} state
     # Accelerate's save_state under DeepSpeed (its tag folder pytorch_model/, random states beside it)
     "accelerate_zero2_fp32_w2": {"stage": 2, "precision": "fp32", "world": 2, "accelerate": True},
@@ -87,13 +90,15 @@ TRAINER_ARGS = ["--max_steps", "12", "--per_device_train_batch_size", "2", "--le
 
 
 def engine_config(stage: int, precision: str, world: int, universal: bool = False, scheduler: dict | None = None,
-                  **_: object) -> dict:
+                  grad_accum_dtype: str | None = None, **_: object) -> dict:
     """The DeepSpeed config of an engine fixture (the keys of :data:`ENGINE_FIXTURES`' specs)."""
     config = {"train_micro_batch_size_per_gpu": recipe.GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
               "bf16": {"enabled": precision == "bf16"}}
     if scheduler is not None:
         config["scheduler"] = scheduler
+    if grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if universal:
