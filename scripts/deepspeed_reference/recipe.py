@@ -16,6 +16,8 @@ import copy
 import torch
 import torch.distributed as dist
 
+from hf_zeropp.testing.tiny_models import mean_over_ranks
+
 VOCAB = 64
 SEQUENCE = 16
 GLOBAL_BATCH = 8
@@ -66,14 +68,6 @@ def local_batch(step: int) -> torch.Tensor:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     return global_batch(step).chunk(world)[rank]
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
-    if dist.is_initialized():
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return float(value)
 
 
 def single_process_run(steps: int, precision: str, lrs: list[float] | None = None, single_group: bool = False

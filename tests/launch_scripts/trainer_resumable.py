@@ -5,23 +5,9 @@ alike; ``trainer_state.json`` in the output folder holds every logged loss and l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from trainer_example import ModelArguments, sequences  # this folder is the script's: python puts it on the path
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments, set_seed
-
-
-@dataclass
-class ModelArguments:
-    n_embd: int = 32
-    n_layer: int = 2
-    vocab_size: int = 64
-    seq_len: int = 16
-
-
-def sequences(count: int, seed: int, vocab: int, length: int) -> list[dict[str, torch.Tensor]]:
-    starts = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed))
-    return [{"input_ids": ids, "labels": ids} for ids in ((s + torch.arange(length)) % vocab for s in starts)]
 
 
 def main() -> None:
