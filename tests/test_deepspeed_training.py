@@ -255,6 +255,20 @@ def test_loss_scaler_follows_deepspeeds_rule(one_rank_group):
         assert (scales, stops_at) == (case["scales"], case["stops_at"]), name
 
 
+def test_accelerator_scales_fp16_losses_by_the_configs_rule():
+    """A DeepSpeed config's fp16 section gives hf_zeropp's Accelerator DeepSpeed's scaler with its keys."""
+    config = _config("zero2_docs")
+    config["fp16"] = {"enabled": True, "initial_scale_power": 12, "hysteresis": 3, "loss_scale_window": 50,
+                      "min_loss_scale": 8}
+    config["bf16"] = {"enabled": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ignored tuning keys
+        accelerator = hf_zeropp.Accelerator(zeropp=config, cpu=True)
+    scaler = accelerator.scaler
+    assert isinstance(scaler, DeepSpeedLossScaler)
+    assert (scaler.get_scale(), scaler.delayed_shift, scaler._growth_interval, scaler.min_scale) == (4096.0, 3, 50, 8)
+
+
 def test_loss_scaler_resumes_mid_hysteresis_from_its_state(one_rank_group):
     """A checkpoint taken between two overflows of a hysteresis resumes on the same scales."""
     fp16 = {"initial_scale_power": 8, "loss_scale_window": 4, "hysteresis": 3}
