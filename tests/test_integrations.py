@@ -25,38 +25,56 @@ def _launch(command: list[str], env: dict[str, str], timeout: int = 600) -> str:
     return result.stdout
 
 
-def _accelerate(output: Path, zeropp: str, *extra: str) -> str:
+def _accelerate(output: Path, *runs: str) -> str:
+    """scripts/train_accelerate.py under ``accelerate launch`` (4 processes, 2 emulated nodes), once per argument
+    string, all in one launch (tests/launch_scripts/train_accelerate_each.py)."""
     port = str(29600 + (abs(hash(str(output))) % 300))
     return _launch([str(BIN / "accelerate"), "launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
-             "--main_process_port", port, "scripts/train_accelerate.py", "--zeropp", zeropp,
-             "--output", str(output), *extra], {"ZEROPP_NODE_SIZE": "2"})
+                    "--main_process_port", port, "tests/launch_scripts/train_accelerate_each.py", *runs],
+                   {"ZEROPP_NODE_SIZE": "2"})
 
 
-@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3", "hybrid-q", "auto"])
-def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(tmp_path, preset):
+PRESETS = ["zero1", "zero2", "zero3", "hybrid-q", "auto"]
+ZEROPP_YAML = "recipes/zeropp/zeropp.yaml"
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory) -> dict:
+    """One launch: a 5-step run per preset (auto first, on a machine nothing has been measured on yet), and the
+    6-step ZeRO++ run from a config file that saves its state after step 3."""
+    work = tmp_path_factory.mktemp("accelerate")
+    output = _accelerate(work, *(f"--zeropp {preset} --steps 5 --output {work / preset}"
+                                 for preset in ["auto", *[p for p in PRESETS if p != "auto"]]),
+                         f"--zeropp {ZEROPP_YAML} --steps 6 --save-state-at 3 --output {work / 'zeropp_state'}")
+    return {"work": work, "output": output}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(accelerate_runs, preset):
     """auto probes the links at prepare, times the candidates it cannot tell apart on the first batch, and says once,
     on rank 0, which configuration it chose and why."""
-    output = _accelerate(tmp_path, preset, "--steps", "5")
+    folder = accelerate_runs["work"] / preset
     if preset == "auto":
         from hf_zeropp.auto import CANDIDATES
 
+        output = accelerate_runs["output"]  # only auto's run says what auto chose
         choices = re.findall(r"^hf_zeropp auto: (.+?) \(timed on the first batch", output, re.MULTILINE)
         assert len(choices) == 1 and choices[0] in CANDIDATES, output[-3000:]
         assert "the trial took" in output and "links measured: intra-node" in output, output[-3000:]
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3, metrics
     assert all(m["inter_node_bytes"] > 0 for m in metrics)
     from transformers import GPT2LMHeadModel
 
-    GPT2LMHeadModel.from_pretrained(tmp_path / "model")  # consolidated, loadable without hf_zeropp
+    GPT2LMHeadModel.from_pretrained(folder / "model")  # consolidated, loadable without hf_zeropp
 
 
-def test_accelerate_save_state_load_state_resumes_exactly_with_zeropp(tmp_path):
-    _accelerate(tmp_path, "recipes/zeropp/zeropp.yaml", "--steps", "6", "--save-state-at", "3")
-    assert (tmp_path / "state" / "zeropp_model_0" / "zeropp_meta.json").is_file()
-    _accelerate(tmp_path, "recipes/zeropp/zeropp.yaml", "--steps", "6", "--resume")
-    first = json.loads((tmp_path / "metrics.json").read_text())
-    resumed = json.loads((tmp_path / "metrics_resumed.json").read_text())
+def test_accelerate_save_state_load_state_resumes_exactly_with_zeropp(accelerate_runs):
+    folder = accelerate_runs["work"] / "zeropp_state"
+    assert (folder / "state" / "zeropp_model_0" / "zeropp_meta.json").is_file()
+    _accelerate(folder, f"--zeropp {ZEROPP_YAML} --steps 6 --resume --output {folder}")  # a fresh launch
+    first = json.loads((folder / "metrics.json").read_text())
+    resumed = json.loads((folder / "metrics_resumed.json").read_text())
     assert first[-1]["loss"] < first[0]["loss"]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in first[3:]]
 

@@ -185,11 +185,25 @@ def _launch_on_two_machines(*args: str) -> None:
     assert all(m.returncode == 0 for m in machines), "\n".join(o[-4000:] for o in outputs)
 
 
+def _save_scripts_model(folder: Path) -> Path:
+    """The model trainer_example.py builds without ``--model_name_or_path`` (its defaults, seed 0), saved."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
     work = tmp_path_factory.mktemp("trainer")
     script = str(SCRIPTS / "trainer_example.py")
-    _stock_launch(script, "--output_dir", str(work / "stock"), *TRAINER_ARGS)
+    # stock loads, with from_pretrained, the very weights the script builds itself (seed 0) in the other runs: it
+    # is the reference of all of them, and of the --load_in_slices run below, whose script loads them too
+    pretrained = _save_scripts_model(work / "pretrained")
+    stock = _stock_launch(script, "--output_dir", str(work / "stock"), "--model_name_or_path", str(pretrained),
+                          *TRAINER_ARGS)
     # the one-file YAML asks for zeropp; the launcher's --zeropp overrides it
     _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "--zeropp", "zero3", script,
                       "--output_dir", str(work / "zero3"), *TRAINER_ARGS)
@@ -206,7 +220,8 @@ def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
     fsdp = _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "fsdp"), *TRAINER_ARGS,
                              "--fsdp", "full_shard auto_wrap", "--fsdp_config", json.dumps(TRAINER_FSDP_CONFIG))
     names = ("stock", "zero3", "deepspeed", "accelerate_deepspeed", "two_machines", "fsdp")
-    return {name: _logs(work / name) for name in names} | {"work": work, "fsdp_output": fsdp}
+    return {name: _logs(work / name) for name in names} | {"work": work, "fsdp_output": fsdp, "stock_output": stock,
+                                                            "pretrained": pretrained}
 
 
 def test_trainer_script_with_zeropp_zero3_equals_stock_ddp(trainer_runs):
@@ -242,28 +257,20 @@ def test_trainer_fsdp_flags_run_on_hf_zeropp_with_their_units_and_equal_stock(tr
     assert output.count("state_dict_type=FULL_STATE_DICT in TrainingArguments' fsdp and fsdp_config") == 1
 
 
-def test_load_in_slices_loads_the_scripts_pretrained_model_on_meta_and_equals_stock(tmp_path):
+def test_load_in_slices_loads_the_scripts_pretrained_model_on_meta_and_equals_stock(trainer_runs, tmp_path):
     """``hf-zeropp launch --load_in_slices``: the script's ``AutoModelForCausalLM.from_pretrained`` returns the model
     on the meta device on every rank, sharding reads each rank's slices of the checkpoint, and the Trainer's
     losses, gradient norms and evaluation losses equal the same script under stock ``accelerate launch`` (every
-    rank loading the whole model) to 1e-6."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    pretrained = tmp_path / "pretrained"
-    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                               eos_token_id=0)).save_pretrained(pretrained)
+    rank loading the whole model: ``trainer_runs``' stock run, from the same folder) to 1e-6."""
     script = str(SCRIPTS / "trainer_example.py")
-    stock = _stock_launch(script, "--output_dir", str(tmp_path / "stock"), "--model_name_or_path", str(pretrained),
-                          *TRAINER_ARGS)
     ours = _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "--zeropp", "zero3", "--load_in_slices", script,
-                             "--output_dir", str(tmp_path / "sliced"), "--model_name_or_path", str(pretrained),
-                             *TRAINER_ARGS)
-    assert "from_pretrained returned a model on the meta device: False" in stock
+                             "--output_dir", str(tmp_path / "sliced"), "--model_name_or_path",
+                             str(trainer_runs["pretrained"]), *TRAINER_ARGS)
+    assert "from_pretrained returned a model on the meta device: False" in trainer_runs["stock_output"]
     assert "from_pretrained returned a model on the meta device: True" in ours
     assert "from_pretrained builds on meta, each rank reads its slices" in ours
     for key in ("loss", "grad_norm", "eval_loss"):
-        expected, got = _series(_logs(tmp_path / "stock"), key), _series(_logs(tmp_path / "sliced"), key)
+        expected, got = _series(trainer_runs["stock"], key), _series(_logs(tmp_path / "sliced"), key)
         assert _close(got, expected, EXACT), (key, got, expected)
 
 
