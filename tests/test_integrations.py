@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from hf_zeropp.testing.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+RUN_EACH = "tests/launch_scripts/run_each.py"  # a script once per argument string, in one launch
 
 
 def _launch(command: list[str], env: dict[str, str], timeout: int = 600) -> str:
@@ -25,12 +27,17 @@ def _launch(command: list[str], env: dict[str, str], timeout: int = 600) -> str:
     return result.stdout
 
 
+def _script(script: str, runs: tuple[str, ...]) -> list[str]:
+    """What a launcher starts: ``script`` with one run's arguments, or run_each.py with several."""
+    return [script, *shlex.split(runs[0])] if len(runs) == 1 else [RUN_EACH, script, *runs]
+
+
 def _accelerate(output: Path, *runs: str) -> str:
     """scripts/train_accelerate.py under ``accelerate launch`` (4 processes, 2 emulated nodes), once per argument
-    string, all in one launch (tests/launch_scripts/train_accelerate_each.py)."""
+    string, all in one launch."""
     port = str(29600 + (abs(hash(str(output))) % 300))
     return _launch([str(BIN / "accelerate"), "launch", "--config_file", "recipes/accelerate/cpu_4proc.yaml",
-                    "--main_process_port", port, "tests/launch_scripts/train_accelerate_each.py", *runs],
+                    "--main_process_port", port, *_script("scripts/train_accelerate.py", runs)],
                    {"ZEROPP_NODE_SIZE": "2"})
 
 
@@ -72,47 +79,62 @@ def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(accelerate_runs
 def test_accelerate_save_state_load_state_resumes_exactly_with_zeropp(accelerate_runs):
     folder = accelerate_runs["work"] / "zeropp_state"
     assert (folder / "state" / "zeropp_model_0" / "zeropp_meta.json").is_file()
-    _accelerate(folder, f"--zeropp {ZEROPP_YAML} --steps 6 --resume --output {folder}")  # a fresh launch
+    _accelerate(folder, f"--zeropp {ZEROPP_YAML} --steps 6 --resume --output {folder}")  # the script, launched alone
     first = json.loads((folder / "metrics.json").read_text())
     resumed = json.loads((folder / "metrics_resumed.json").read_text())
     assert first[-1]["loss"] < first[0]["loss"]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in first[3:]]
 
 
-def _trainer(output: Path, *extra: str) -> list[dict]:
-    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_gpt.py",
-             "recipes/gpt350m_pile/mini/zero3.yaml", "--zeropp", "zeropp", "--output_dir", str(output),
-             "--logging_steps", "2", "--eval_steps", "4", *extra], {"ZEROPP_NODE_SIZE": "2"})
+def _train_gpt(*runs: str) -> None:
+    """scripts/train_gpt.py under torchrun (4 processes, 2 emulated nodes), once per argument string, in one launch."""
+    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", *_script("scripts/train_gpt.py", runs)],
+            {"ZEROPP_NODE_SIZE": "2"})
+
+
+def _metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_trainer_from_the_command_line_logs_comm_and_resumes(tmp_path):
-    full = _trainer(tmp_path / "full", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "4")
+TRAINER_CLI = "recipes/gpt350m_pile/mini/zero3.yaml --zeropp zeropp --logging_steps 2 --eval_steps 4 --max_steps 8"
+LLAMA_ACCURATE = "recipes/experiments/llama_python_docs/zeropp_accurate.yaml"
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory) -> Path:
+    """One launch: the mini recipe from the command line with ZeRO++, saving every 4 steps, and the second accuracy
+    case's Llama recipe."""
+    work = tmp_path_factory.mktemp("train_gpt")
+    _train_gpt(f"{TRAINER_CLI} --output_dir {work / 'full'} --save_strategy steps --save_steps 4",
+               f"{LLAMA_ACCURATE} --output_dir {work / 'llama'} --max_steps 6 --logging_steps 2 --eval_steps 6")
+    return work
+
+
+def test_trainer_from_the_command_line_logs_comm_and_resumes(gpt_runs, tmp_path):
+    full = _metrics(gpt_runs / "full")
     train_logs = [m for m in full if "loss" in m]
     assert train_logs[-1]["loss"] < train_logs[0]["loss"]
     assert train_logs[0]["zeropp/bwd_allgather_inter_node_bytes"] == 0  # hpZ
     assert train_logs[0]["zeropp/qgz_inter_inter_node_bytes"] > 0  # qgZ ran
     assert 0 < train_logs[0]["zeropp/fwd_allgather_relative_error"] < 0.02  # INT8 weights
     assert any("eval_loss" in m for m in full)
-    checkpoint = tmp_path / "full" / "checkpoint-4"
+    checkpoint = gpt_runs / "full" / "checkpoint-4"
     assert (checkpoint / "zeropp_optimizer" / "zeropp_meta.json").is_file()
-    resumed = _trainer(tmp_path / "resumed", "--max_steps", "8", "--resume_from_checkpoint", str(checkpoint))
+    _train_gpt(f"{TRAINER_CLI} --output_dir {tmp_path / 'resumed'} --resume_from_checkpoint {checkpoint}")
+    resumed = _metrics(tmp_path / "resumed")
     loss_at = {m["step"]: m["loss"] for m in train_logs}
     resumed_at = {m["step"]: m["loss"] for m in resumed if "loss" in m}
     assert resumed_at[8] == pytest.approx(loss_at[8], rel=1e-6), (resumed_at, loss_at)
     from transformers import GPT2LMHeadModel
 
-    GPT2LMHeadModel.from_pretrained(tmp_path / "full")
+    GPT2LMHeadModel.from_pretrained(gpt_runs / "full")
 
 
-def test_second_accuracy_case_runs_llama_on_python_docs_with_the_accurate_preset(tmp_path):
+def test_second_accuracy_case_runs_llama_on_python_docs_with_the_accurate_preset(gpt_runs):
     """The second accuracy case's ``base:`` recipe through the runner: a Llama on the ``python_docs`` corpus with
     ``zeropp-accurate``, whose qgZ sends an 8-bit intra-node hop (4x the bytes of the 4-bit inter-node hop with 2
     ranks per node, vs 2x with a 4-bit first hop) with the hop-1 error of 8 bits (measured after rotating back)."""
-    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_gpt.py",
-             "recipes/experiments/llama_python_docs/zeropp_accurate.yaml", "--output_dir", str(tmp_path),
-             "--max_steps", "6", "--logging_steps", "2", "--eval_steps", "6"], {"ZEROPP_NODE_SIZE": "2"})
-    logs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logs = _metrics(gpt_runs / "llama")
     train_logs = [m for m in logs if "loss" in m]
     assert train_logs[-1]["loss"] < train_logs[0]["loss"]
     first = train_logs[0]
@@ -122,7 +144,7 @@ def test_second_accuracy_case_runs_llama_on_python_docs_with_the_accurate_preset
     assert any("eval_loss" in m for m in logs)
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(gpt_runs / "llama")
     assert model.config.num_key_value_heads == 2 and model.config.vocab_size == 256
 
 

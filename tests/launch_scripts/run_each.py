@@ -1,0 +1,45 @@
+"""A training script, unmodified, run once per argument string in one launch:
+
+    accelerate launch ... tests/launch_scripts/run_each.py scripts/train_accelerate.py "--zeropp zero1 ..." "..."
+
+Each string is one run's command line (``sys.argv`` as the script sees it; the script runs as ``__main__``). Runs
+of tests/test_integrations.py share one launch's startup (4 workers importing torch, Transformers, Accelerate and
+hf_zeropp, more than most of the runs themselves) instead of paying it once per config. Between runs Accelerate's
+process-wide state is reset, as separate launches would have it, and the process group is kept: the scripts' own
+``end_training`` destroys it, and gloo cannot form a new one on the launcher's store under the same name. It is
+destroyed after the last run.
+"""
+
+from __future__ import annotations
+
+import runpy
+import shlex
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, GradientState, PartialState
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main() -> None:
+    script, runs = str(ROOT / sys.argv[1]), sys.argv[2:]
+    sys.path.insert(0, str(ROOT))  # the scripts import hf_zeropp.testing and scripts.* from the checkout
+    destroy = PartialState.destroy_process_group
+    PartialState.destroy_process_group = lambda self, group=None: None
+    try:
+        for run in runs:
+            sys.argv = [script, *shlex.split(run)]
+            runpy.run_path(script, run_name="__main__")
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+    finally:
+        PartialState.destroy_process_group = destroy
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
