@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -315,10 +316,11 @@ def trl_runs(tmp_path_factory) -> dict[str, list[dict]]:
                       str(work / "sft_data"), "--output_dir", str(work / "sft_launched"), *common)
     _hf_zeropp_launch("--config_file", str(STOCK_CPU), "-m", "trl.scripts.dpo", "--dataset_name",
                       str(work / "dpo_data"), "--output_dir", str(work / "dpo_launched"), "--zeropp", "zero3", *common)
-    for kind, config in (("sft", {"ZEROPP_CONFIG": "zeropp", "ZEROPP_NODE_SIZE": "2"}),
-                         ("dpo", {"ZEROPP_CONFIG": "zero3"})):
-        _stock_launch(str(SCRIPTS / "trl_script_imported.py"), kind, "--dataset_name", str(work / f"{kind}_data"),
-                      "--output_dir", str(work / f"{kind}_imported"), *common, env=config)
+    # the ported scripts: both in one stock launch, each with its ZEROPP_* variables (tests/launch_scripts/run_each.py)
+    _stock_launch(str(SCRIPTS / "run_each.py"), "tests/launch_scripts/trl_script_imported.py", *(
+        shlex.join([*config, kind, "--dataset_name", str(work / f"{kind}_data"), "--output_dir",
+                    str(work / f"{kind}_imported"), *common])
+        for kind, config in (("sft", ["ZEROPP_CONFIG=zeropp", "ZEROPP_NODE_SIZE=2"]), ("dpo", ["ZEROPP_CONFIG=zero3"]))))
     return {f"{kind}_{way}": _logs(work / f"{kind}_{way}" / "checkpoint-3")
             for kind in ("sft", "dpo") for way in ("launched", "imported")}
 

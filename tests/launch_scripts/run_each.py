@@ -2,7 +2,8 @@
 
     accelerate launch ... tests/launch_scripts/run_each.py scripts/train_accelerate.py "--zeropp zero1 ..." "..."
 
-Each string is one run's command line (``sys.argv`` as the script sees it; the script runs as ``__main__``). Runs
+Each string is one run's command line (``sys.argv`` as the script sees it; the script runs as ``__main__``), after
+any ``NAME=VALUE`` words, which set environment variables for that run only. Runs
 of tests/test_integrations.py share one launch's startup (4 workers importing torch, Transformers, Accelerate and
 hf_zeropp, more than most of the runs themselves) instead of paying it once per config. Between runs Accelerate's
 process-wide state is reset, as separate launches would have it, and the process group is kept: the scripts' own
@@ -12,6 +13,8 @@ destroyed after the last run.
 
 from __future__ import annotations
 
+import os
+import re
 import runpy
 import shlex
 import sys
@@ -30,8 +33,20 @@ def main() -> None:
     PartialState.destroy_process_group = lambda self, group=None: None
     try:
         for run in runs:
-            sys.argv = [script, *shlex.split(run)]
+            words = shlex.split(run)
+            environ = {}
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+                name, value = words.pop(0).split("=", 1)
+                environ[name] = value
+            before = {name: os.environ.get(name) for name in environ}
+            os.environ.update(environ)
+            sys.argv = [script, *words]
             runpy.run_path(script, run_name="__main__")
+            for name, value in before.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
     finally:
