@@ -75,9 +75,12 @@ def pytest_collection_finish(session):
         if _is_nvcc_test(item):
             source = item.callspec.params["source"]
             folder = Path(tempfile.mkdtemp(prefix="hf_zeropp_nvcc_"))
-            with open(folder / "output.txt", "w") as output:  # a file: a pipe nobody reads could fill and stall
+            # a file: a pipe nobody reads could fill and stall. A process group of its own (to kill it whole) but
+            # pytest's session: a session of its own would be a scheduler autogroup of its own, which Linux shares
+            # the CPU with as with pytest's whole group, whatever nvcc's nice value
+            with open(folder / "output.txt", "w") as output:
                 job = subprocess.Popen(["nice", "-n", "19", *nvcc_command(source, folder / "kernels.o")],
-                                       stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+                                       stdout=output, stderr=subprocess.STDOUT, process_group=0)
             _nvcc_jobs[source] = (job, folder)
 
 
