@@ -14,6 +14,6 @@ lane_log=$(mktemp)
 nice -n 19 bash scripts/test_min_versions.sh --collect-only -q >"$lane_log" 2>&1 &
 lane_setup=$!
 trap 'kill "$lane_setup" 2>/dev/null || true' EXIT
-.venv/bin/python -m pytest -q --durations=15 "$@"
+.venv/bin/python -m pytest -q --durations=30 "$@"
 wait "$lane_setup" || { cat "$lane_log"; echo "building the minimum-versions lane failed (see above)"; exit 1; }
 bash scripts/test_min_versions.sh
