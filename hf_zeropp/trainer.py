@@ -225,7 +225,8 @@ class ZeroPPTrainerMixin(TrainerHooks):
         DeepSpeed's engine builds it); otherwise the Trainer's."""
         loop = self._zeropp_deepspeed_loop()
         if loop is None or loop.optimizer is None or self.optimizer is not None:
-            return super().create_optimizer(model)
+            # transformers < 5 has no ``model`` parameter
+            return super().create_optimizer() if model is None else super().create_optimizer(model)
         self.optimizer = loop.build_optimizer((model if model is not None else self.model).parameters())
         self._zeropp_built_optimizer = True
         return self.optimizer
