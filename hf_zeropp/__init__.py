@@ -1,53 +1,59 @@
 """hf_zeropp: ZeRO stage 1-3 sharding and the ZeRO++ communication optimizations (qwZ, hpZ, qgZ) on torch FSDP2,
-for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSpeed."""
+for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSpeed.
 
-from .accelerate_integration import Accelerator
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_pretrained
-from .config import PRESETS, ZeroPPConfig
-from .deepspeed_convert import convert_deepspeed_checkpoint, export_deepspeed_universal
-from .deepspeed_restore import load_deepspeed_checkpoint
+The public names are imported on first use (PEP 562): ``hf-zeropp launch``, ``python -m hf_zeropp.dropin`` and any
+``import hf_zeropp.<module>`` load only what they need, instead of the Trainer, Accelerate and DeepSpeed-checkpoint
+modules every time (about 3 s of a launcher's start)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .failure_report import install as _report_failures_to_the_launcher
-from .inference import gathered_for_inference
-from .materialize import from_pretrained
-from .runtime import active_techniques, comm_stats, gathered_parameter_bytes, no_sync, set_techniques, state_bytes
-from .sharding import shard_model
 
 __version__ = "0.1.0"
 
 _report_failures_to_the_launcher()  # only in a torchrun worker: see hf_zeropp.failure_report
 
-from .trainer import (  # noqa: E402  (needs transformers; imported last)
-    ZeroPPCallback,
-    ZeroPPTrainer,
-    ZeroPPTrainerMixin,
-    ZeroPPTrainingArguments,
-    with_zeropp_field,
-)
+_MODULE_OF: dict[str, str] = {
+    "Accelerator": "accelerate_integration",
+    "latest_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "save_pretrained": "checkpoint",
+    "PRESETS": "config",
+    "ZeroPPConfig": "config",
+    "convert_deepspeed_checkpoint": "deepspeed_convert",
+    "export_deepspeed_universal": "deepspeed_convert",
+    "load_deepspeed_checkpoint": "deepspeed_restore",
+    "gathered_for_inference": "inference",
+    "from_pretrained": "materialize",
+    "active_techniques": "runtime",
+    "comm_stats": "runtime",
+    "gathered_parameter_bytes": "runtime",
+    "no_sync": "runtime",
+    "set_techniques": "runtime",
+    "state_bytes": "runtime",
+    "shard_model": "sharding",
+    "ZeroPPCallback": "trainer",
+    "ZeroPPTrainer": "trainer",
+    "ZeroPPTrainerMixin": "trainer",
+    "ZeroPPTrainingArguments": "trainer",
+    "with_zeropp_field": "trainer",
+}
 
-__all__ = [
-    "Accelerator",
-    "PRESETS",
-    "ZeroPPCallback",
-    "ZeroPPConfig",
-    "ZeroPPTrainer",
-    "ZeroPPTrainerMixin",
-    "ZeroPPTrainingArguments",
-    "active_techniques",
-    "comm_stats",
-    "convert_deepspeed_checkpoint",
-    "export_deepspeed_universal",
-    "from_pretrained",
-    "gathered_for_inference",
-    "gathered_parameter_bytes",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "load_deepspeed_checkpoint",
-    "no_sync",
-    "save_checkpoint",
-    "save_pretrained",
-    "set_techniques",
-    "shard_model",
-    "state_bytes",
-    "with_zeropp_field",
-    "__version__",
-]
+__all__ = sorted([*_MODULE_OF, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_zeropp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
