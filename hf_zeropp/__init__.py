@@ -8,6 +8,7 @@ modules every time (about 3 s of a launcher's start)."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from .failure_report import install as _report_failures_to_the_launcher
@@ -48,9 +49,12 @@ __all__ = sorted([*_MODULE_OF, "__version__"])
 
 def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)  # hf_zeropp.kernels and the like, without an import
+    else:
         raise AttributeError(f"module 'hf_zeropp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 
