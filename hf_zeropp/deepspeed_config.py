@@ -201,7 +201,7 @@ def check_training_sections(training: dict[str, Any]) -> None:
 
 
 def deepspeed_key_table() -> str:
-    """README's and docs/design.md's table of every DeepSpeed config key: mapped, ignored with a warning, or
+    """docs/design.md's table of every DeepSpeed config key: mapped, ignored with a warning, or
     refused."""
     rows = ["| DeepSpeed key | on hf_zeropp |", "|---|---|"]
     rows += [f"| `{key}` | {fate} |" for key, fate in _key_fates()]

@@ -1,6 +1,6 @@
 """What each FSDP setting becomes on hf_zeropp, key by key (Accelerate's ``fsdp_config`` / ``--fsdp_*`` and the
 Trainer's ``fsdp`` / ``fsdp_config``): mapped, ignored with a warning, or refused, with the reason each time.
-:mod:`hf_zeropp.fsdp_settings` reads the settings by these tables; README and docs/design.md print
+:mod:`hf_zeropp.fsdp_settings` reads the settings by these tables; docs/design.md prints
 :func:`key_table`."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "y", "t", "on", "1"), ("false", "no", "n", "f", "off", "0")
 
 # What each key becomes (keys as Accelerate's fsdp_config writes them without the ``fsdp_`` prefix; the Trainer's
-# fsdp_config uses the same names, with ``cpu_offload`` for ``offload_params``). README and docs/design.md list them.
+# fsdp_config uses the same names, with ``cpu_offload`` for ``offload_params``). docs/design.md lists them.
 MAPPED = {
     "version": "1: fsdp_reshard_after_forward is read as FSDP1 reads it (a sharding strategy), 2: as a bool; both run "
                "on FSDP2",
@@ -107,7 +107,7 @@ BESIDE_THE_KEYS = {
 
 
 def key_table() -> str:
-    """The README's and docs/design.md's table of every FSDP setting: mapped, ignored with a warning, or refused."""
+    """docs/design.md's table of every FSDP setting: mapped, ignored with a warning, or refused."""
     rows = ["| setting (Accelerate `fsdp_config` / `--fsdp_*`; Trainer `fsdp_config`) | on hf_zeropp |", "|---|---|"]
     for key in dict.fromkeys((*ACCELERATE_KEYS, *TRAINER_KEYS)):
         names = " / ".join([f"`fsdp_{key}`"] * (key in ACCELERATE_KEYS) + [f"`{key}`"] * (key in TRAINER_KEYS))

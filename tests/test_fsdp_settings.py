@@ -76,7 +76,7 @@ def _fsdp_yaml(path: Path, fsdp_config: dict | None = None, **settings) -> str:
 
 def test_every_fsdp_key_is_mapped_ignored_or_refused_and_the_docs_list_each():
     """Every key Accelerate's launcher and the Trainer read has one treatment here (a key a newer Accelerate or
-    Transformers adds fails this test), and README's drop-in section and docs/design.md carry the table."""
+    Transformers adds fails this test), and docs/design.md carries the table."""
     from accelerate.commands.launch import launch_command_parser
     from transformers import TrainingArguments
 
@@ -89,7 +89,7 @@ def test_every_fsdp_key_is_mapped_ignored_or_refused_and_the_docs_list_each():
     refused_values = {key for key, _ in REFUSED_VALUES}
     for key in {*ACCELERATE_KEYS, *TRAINER_KEYS}:
         assert (key in MAPPED) + (key in IGNORED) + (key in REFUSED_KEYS) + (key in refused_values - set(MAPPED)) == 1
-    for document in ("README.md", "docs/design.md"):
+    for document in ("docs/design.md",):
         assert key_table() in (ROOT / document).read_text(), document
 
 
