@@ -156,6 +156,27 @@ def test_the_bench_states_its_regime_and_judges_speedups_only_where_the_peer_is_
     assert machine("Features\t: fp asimd bf16 i8mm\n")["bf16_flags"] == ["bf16"]
 
 
+def test_auto_against_zero3_is_missed_when_slower_unless_auto_trained_as_zero3_itself():
+    """auto slower than ZeRO-3 after picking another candidate misses the target; after picking ZeRO-3 the gap is
+    two runs of one configuration, which the value says."""
+    from scripts.benchmarks.analysis import targets
+
+    def link(auto_step: float, pick: str) -> dict:
+        return {"rows": {"ZeRO-3": {"median_step_s": 1.182}, "ZeRO++": {"median_step_s": 1.198},
+                         "auto": {"median_step_s": auto_step}},
+                "implementations": {"auto": {"auto": [f"auto: {pick} (timed on the first batch, ...)"]}}}
+
+    links = {"none": link(1.213, "zeropp int8 gradients"), "1gbit": link(1.190, "zero3"), "100mbit": link(1.170, "zeropp")}
+    found = {t["target"]: t for t in targets(links)}
+    assert found["auto never slower than ZeRO-3 at none"] == {
+        "target": "auto never slower than ZeRO-3 at none", "value": "+2.6 %", "met": False}
+    assert found["auto never slower than ZeRO-3 at 1gbit"] == {
+        "target": "auto never slower than ZeRO-3 at 1gbit", "met": True,
+        "value": "+0.7 % (auto runs ZeRO-3 itself: the spread between two runs of one configuration)"}
+    assert found["auto never slower than ZeRO-3 at 100mbit"]["met"] is True
+    assert found["auto within 5 % of the best fixed configuration at none (ZeRO-3)"]["met"] is True
+
+
 def _bench_results(tmp_path: Path) -> Path:
     """A bench_cluster results.json at 2 x 2 with hand-picked step times and logical bytes (sums over ranks)."""
     rows_none = {
