@@ -1,7 +1,7 @@
 """Fixtures shared by several test modules: the faulty 4-rank runs (a rank SIGKILLed mid-step, another mid-save)
 that both ``tests/test_rank_failures.py`` and ``tests/test_exact_resume.py`` examine. Session-scoped, so each run
-happens once however many of those modules are collected. And nvcc's compiles of the CUDA sources
-(``tests/test_cuda_sources.py``), started in the background when collection ends, their tests run last."""
+happens once however many of those modules are collected. And the compiles of the CUDA sources and of their torch
+binding (``tests/test_cuda_sources.py``), started in the background when collection ends, their tests run last."""
 
 from __future__ import annotations
 
@@ -38,15 +38,25 @@ def killed_mid_save(resume_dir):
                                      kill={"rank": 1, "step": FAULT_AT, "where": "dcp_write"}))
 
 
-# ---------------------------------------------------------------- nvcc in the background
-# tests/test_cuda_sources.py compiles each .cu file for sm_80 and sm_90 with nvcc, about 130 CPU-seconds in all: the
-# longest single test of the suite. Those compiles depend on nothing the other tests do, so they start, at the lowest
-# CPU priority, as soon as collection ends, and their tests run last and only wait for what is left: nvcc takes the
-# CPU time the other tests leave idle (a launch's workers waiting for each other, a timeout running out) instead of
-# a stretch of its own. Same command, same sources, same checks as compiling in the test.
+# ---------------------------------------------------------------- compiles in the background
+# tests/test_cuda_sources.py compiles each .cu file for sm_80 and sm_90 with nvcc, about 130 CPU-seconds in all, and
+# checks the torch binding with g++ against torch's headers, about 10 s: the longest single tests of the suite. Those
+# compiles depend on nothing the other tests do, so they start, at the lowest CPU priority, as soon as collection
+# ends, and their tests run last and only wait for what is left: the compilers take the CPU time the other tests leave
+# idle (a launch's workers waiting for each other, a timeout running out) instead of a stretch of their own. Same
+# commands, same sources, same checks as compiling in the tests.
+#
+# The lowest priority, where Linux groups the scheduling by session (autogroup): nice only ranks a process against
+# the others of its session, and torchrun starts each worker in a session of its own, so a compile at nice 19 in
+# pytest's session still took a fair share of the CPU from a launch's workers (a launch test ran 14 % slower beside
+# one). The compiles run in a session of their own whose group is set to nice 19 as well.
+LOWEST_PRIORITY = ["sh", "-c", 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$@"', "sh"]
 NVCC = shutil.which("nvcc")
+GXX = shutil.which("g++")
 _NVCC_TEST = "test_cuda_sources.py::test_cu_files_compile_for_sm80_and_sm90"
-_nvcc_jobs: dict[str, tuple[subprocess.Popen, Path]] = {}
+_BINDING_TEST = "test_cuda_sources.py::test_cuda_binding_compiles_against_torch_headers"
+_compiles: dict[str, tuple[subprocess.Popen, Path]] = {}  # by test id
+_not_compiled: dict[str, str] = {}  # test id: why nothing was started (the test skips with it)
 
 
 def nvcc_command(source: str, output: Path) -> list[str]:
@@ -59,46 +69,85 @@ def nvcc_command(source: str, output: Path) -> list[str]:
             str(source_dir() / source), "-o", str(output)]
 
 
-def _is_nvcc_test(item) -> bool:
-    return item.nodeid.split("[")[0].endswith(_NVCC_TEST)
+def binding_check_command() -> list[str]:
+    """g++ -fsyntax-only on cuda/cuda_binding.cpp against the installed torch's headers and CUDA's runtime headers
+    (the CPU wheel ships c10/cuda headers but not their generated config header)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    from hf_zeropp.kernels._build import source_dir
+
+    flags = [f"-I{p}" for p in include_paths()] + [f"-I{_cuda_include()}", f"-I{sysconfig.get_paths()['include']}"]
+    return [GXX, "-std=c++17", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=hf_zeropp_cuda_kernels",
+            "-DTORCH_API_INCLUDE_EXTENSION_H", "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", *flags,
+            str(source_dir() / "cuda_binding.cpp")]
+
+
+def _cuda_include() -> Path:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return Path(CUDA_HOME or "/usr/local/cuda") / "include"
+
+
+def _compile_test(item) -> str | None:
+    name = item.nodeid.split("[")[0]
+    return next((test for test in (_NVCC_TEST, _BINDING_TEST) if name.endswith(test)), None)
+
+
+def _compile_command(item, folder: Path) -> list[str] | str:
+    """The command to run for the compile test ``item``, or why it cannot run here."""
+    if _compile_test(item) == _NVCC_TEST:
+        return nvcc_command(item.callspec.params["source"], folder / "kernels.o") if NVCC else "nvcc is not installed"
+    if GXX is None:
+        return "g++ is not installed"
+    if not (_cuda_include() / "cuda_runtime_api.h").is_file():
+        return f"CUDA headers not found under {_cuda_include()}"
+    return binding_check_command()
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected
 def pytest_collection_modifyitems(items):
-    items.sort(key=_is_nvcc_test)  # stable: the nvcc tests last, everything else in its order
+    items.sort(key=lambda item: _compile_test(item) is not None)  # stable: the compile tests last, the rest in order
 
 
 def pytest_collection_finish(session):
-    if NVCC is None or session.config.option.collectonly:
+    if session.config.option.collectonly:
         return
     for item in session.items:
-        if _is_nvcc_test(item):
-            source = item.callspec.params["source"]
-            folder = Path(tempfile.mkdtemp(prefix="hf_zeropp_nvcc_"))
-            # a file: a pipe nobody reads could fill and stall. A process group of its own (to kill it whole) but
-            # pytest's session: a session of its own would be a scheduler autogroup of its own, which Linux shares
-            # the CPU with as with pytest's whole group, whatever nvcc's nice value
-            with open(folder / "output.txt", "w") as output:
-                job = subprocess.Popen(["nice", "-n", "19", *nvcc_command(source, folder / "kernels.o")],
-                                       stdout=output, stderr=subprocess.STDOUT, process_group=0)
-            _nvcc_jobs[source] = (job, folder)
+        if _compile_test(item) is None:
+            continue
+        folder = Path(tempfile.mkdtemp(prefix="hf_zeropp_compile_"))
+        command = _compile_command(item, folder)
+        if isinstance(command, str):
+            _not_compiled[item.nodeid] = command
+            shutil.rmtree(folder)
+            continue
+        # a file: a pipe nobody reads could fill and stall; a session of its own, to kill it whole
+        with open(folder / "output.txt", "w") as output:
+            job = subprocess.Popen([*LOWEST_PRIORITY, *command], stdout=output, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        _compiles[item.nodeid] = (job, folder)
 
 
 def pytest_sessionfinish():
-    for job, folder in _nvcc_jobs.values():
-        if job.poll() is None:  # the run stopped before its test: nvcc and the compilers it started
+    for job, folder in _compiles.values():
+        if job.poll() is None:  # the run stopped before its test: the compiler and the processes it started
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
-def nvcc_compiled():
-    """``nvcc_compiled(source)``: (return code, output, object file) of the background compile of ``source``."""
+def background_compile(request):
+    """``background_compile()``: (return code, output, folder) of this test's compile, started when collection
+    ended; the test skips where it could not start (no compiler, no headers)."""
 
-    def wait(source: str, timeout: float = 900) -> tuple[int, str, Path]:
-        job, folder = _nvcc_jobs[source]
+    def wait(timeout: float = 900) -> tuple[int, str, Path]:
+        if request.node.nodeid in _not_compiled:
+            pytest.skip(_not_compiled[request.node.nodeid])
+        job, folder = _compiles[request.node.nodeid]
         job.wait(timeout=timeout)
-        return job.returncode, (folder / "output.txt").read_text(), folder / "kernels.o"
+        return job.returncode, (folder / "output.txt").read_text(), folder
 
     return wait

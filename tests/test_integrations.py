@@ -47,12 +47,13 @@ ZEROPP_YAML = "recipes/zeropp/zeropp.yaml"
 
 @pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory) -> dict:
-    """One launch: a 5-step run per preset (auto first, on a machine nothing has been measured on yet), and the
-    6-step ZeRO++ run from a config file that saves its state after step 3."""
+    """One launch: a 5-step run per preset (auto first, on a machine nothing has been measured on yet), the 6-step
+    ZeRO++ run from a config file that saves its state after step 3, and the same command resuming from that state."""
     work = tmp_path_factory.mktemp("accelerate")
+    zeropp_state = f"--zeropp {ZEROPP_YAML} --steps 6 --output {work / 'zeropp_state'}"
     output = _accelerate(work, *(f"--zeropp {preset} --steps 5 --output {work / preset}"
                                  for preset in ["auto", *[p for p in PRESETS if p != "auto"]]),
-                         f"--zeropp {ZEROPP_YAML} --steps 6 --save-state-at 3 --output {work / 'zeropp_state'}")
+                         f"{zeropp_state} --save-state-at 3", f"{zeropp_state} --resume")
     return {"work": work, "output": output}
 
 
@@ -79,7 +80,6 @@ def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(accelerate_runs
 def test_accelerate_save_state_load_state_resumes_exactly_with_zeropp(accelerate_runs):
     folder = accelerate_runs["work"] / "zeropp_state"
     assert (folder / "state" / "zeropp_model_0" / "zeropp_meta.json").is_file()
-    _accelerate(folder, f"--zeropp {ZEROPP_YAML} --steps 6 --resume --output {folder}")  # the script, launched alone
     first = json.loads((folder / "metrics.json").read_text())
     resumed = json.loads((folder / "metrics_resumed.json").read_text())
     assert first[-1]["loss"] < first[0]["loss"]
@@ -102,15 +102,16 @@ LLAMA_ACCURATE = "recipes/experiments/llama_python_docs/zeropp_accurate.yaml"
 
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory) -> Path:
-    """One launch: the mini recipe from the command line with ZeRO++, saving every 4 steps, and the second accuracy
-    case's Llama recipe."""
+    """One launch: the mini recipe from the command line with ZeRO++, saving every 4 steps, the second accuracy
+    case's Llama recipe, and the first command again, resuming from its checkpoint-4."""
     work = tmp_path_factory.mktemp("train_gpt")
     _train_gpt(f"{TRAINER_CLI} --output_dir {work / 'full'} --save_strategy steps --save_steps 4",
-               f"{LLAMA_ACCURATE} --output_dir {work / 'llama'} --max_steps 6 --logging_steps 2 --eval_steps 6")
+               f"{LLAMA_ACCURATE} --output_dir {work / 'llama'} --max_steps 6 --logging_steps 2 --eval_steps 6",
+               f"{TRAINER_CLI} --output_dir {work / 'resumed'} --resume_from_checkpoint {work / 'full' / 'checkpoint-4'}")
     return work
 
 
-def test_trainer_from_the_command_line_logs_comm_and_resumes(gpt_runs, tmp_path):
+def test_trainer_from_the_command_line_logs_comm_and_resumes(gpt_runs):
     full = _metrics(gpt_runs / "full")
     train_logs = [m for m in full if "loss" in m]
     assert train_logs[-1]["loss"] < train_logs[0]["loss"]
@@ -120,8 +121,7 @@ def test_trainer_from_the_command_line_logs_comm_and_resumes(gpt_runs, tmp_path)
     assert any("eval_loss" in m for m in full)
     checkpoint = gpt_runs / "full" / "checkpoint-4"
     assert (checkpoint / "zeropp_optimizer" / "zeropp_meta.json").is_file()
-    _train_gpt(f"{TRAINER_CLI} --output_dir {tmp_path / 'resumed'} --resume_from_checkpoint {checkpoint}")
-    resumed = _metrics(tmp_path / "resumed")
+    resumed = _metrics(gpt_runs / "resumed")
     loss_at = {m["step"]: m["loss"] for m in train_logs}
     resumed_at = {m["step"]: m["loss"] for m in resumed if "loss" in m}
     assert resumed_at[8] == pytest.approx(loss_at[8], rel=1e-6), (resumed_at, loss_at)
