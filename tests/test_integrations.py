@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -29,7 +30,7 @@ def _launch(command: list[str], env: dict[str, str], timeout: int = 600) -> str:
 
 def _script(script: str, runs: tuple[str, ...]) -> list[str]:
     """What a launcher starts: ``script`` with one run's arguments, or run_each.py with several."""
-    return [script, *shlex.split(runs[0])] if len(runs) == 1 else [RUN_EACH, script, *runs]
+    return [script, *shlex.split(runs[0])] if len(runs) == 1 else [RUN_EACH, *(f"{script} {run}" for run in runs)]
 
 
 def _accelerate(output: Path, *runs: str) -> str:
@@ -86,9 +87,10 @@ def test_accelerate_save_state_load_state_resumes_exactly_with_zeropp(accelerate
     assert [m["loss"] for m in resumed] == [m["loss"] for m in first[3:]]
 
 
-def _train_gpt(*runs: str) -> None:
-    """scripts/train_gpt.py under torchrun (4 processes, 2 emulated nodes), once per argument string, in one launch."""
-    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", *_script("scripts/train_gpt.py", runs)],
+def _torchrun(*runs: str) -> None:
+    """Each command line (a script and its arguments) under torchrun (4 processes, 2 emulated nodes), all in one
+    launch."""
+    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", RUN_EACH, *runs],
             {"ZEROPP_NODE_SIZE": "2"})
 
 
@@ -96,18 +98,24 @@ def _metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
-TRAINER_CLI = "recipes/gpt350m_pile/mini/zero3.yaml --zeropp zeropp --logging_steps 2 --eval_steps 4 --max_steps 8"
+TRAIN_GPT = ("scripts/train_gpt.py recipes/gpt350m_pile/mini/zero3.yaml --zeropp zeropp --logging_steps 2 "
+             "--eval_steps 4 --max_steps 8")
 LLAMA_ACCURATE = "recipes/experiments/llama_python_docs/zeropp_accurate.yaml"
 
 
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory) -> Path:
     """One launch: the mini recipe from the command line with ZeRO++, saving every 4 steps, the second accuracy
-    case's Llama recipe, and the first command again, resuming from its checkpoint-4."""
+    case's Llama recipe, the first command again, resuming from its checkpoint-4, and the LoRA RLHF recipe."""
     work = tmp_path_factory.mktemp("train_gpt")
-    _train_gpt(f"{TRAINER_CLI} --output_dir {work / 'full'} --save_strategy steps --save_steps 4",
-               f"{LLAMA_ACCURATE} --output_dir {work / 'llama'} --max_steps 6 --logging_steps 2 --eval_steps 6",
-               f"{TRAINER_CLI} --output_dir {work / 'resumed'} --resume_from_checkpoint {work / 'full' / 'checkpoint-4'}")
+    grpo = (f"scripts/train_grpo.py recipes/lora_rlhf/mini.yaml --max_steps 3 --logging_steps 1 --output_dir "
+            f"{work / 'grpo'}")
+    grpo = [grpo] if importlib.util.find_spec("trl") else []  # TRL is optional
+    _torchrun(f"{TRAIN_GPT} --output_dir {work / 'full'} --save_strategy steps --save_steps 4",
+              f"scripts/train_gpt.py {LLAMA_ACCURATE} --output_dir {work / 'llama'} --max_steps 6 --logging_steps 2 "
+              f"--eval_steps 6",
+              f"{TRAIN_GPT} --output_dir {work / 'resumed'} --resume_from_checkpoint {work / 'full' / 'checkpoint-4'}",
+              *grpo)
     return work
 
 
@@ -270,17 +278,15 @@ def test_bad_inputs_of_the_integrations():
     assert all("already prepared" in m for m in messages), messages
 
 
-def test_grpo_lora_recipe_smoke_run(tmp_path):
+def test_grpo_lora_recipe_smoke_run(gpt_runs):
     """TRL's GRPOTrainer behind the mixin: LoRA actor, frozen INT8 base with hpZ, 2 emulated nodes x 2."""
     pytest.importorskip("trl", reason="TRL is optional (pip install hf_zeropp[rlhf]); scripts/setup.sh installs it")
-    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "scripts/train_grpo.py",
-             "recipes/lora_rlhf/mini.yaml", "--max_steps", "3", "--logging_steps", "1", "--output_dir",
-             str(tmp_path)], {"ZEROPP_NODE_SIZE": "2"})
-    logs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    output = gpt_runs / "grpo"
+    logs = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     steps = [entry for entry in logs if "reward" in entry]
     assert len(steps) == 3
     for entry in steps:
         assert entry["zeropp/frozen_allgather_inter_node_bytes"] == 0  # frozen base: node-local copy only
         assert entry["zeropp/frozen_allgather_intra_node_bytes"] > 0
         assert entry["zeropp/bwd_allgather_inter_node_bytes"] == 0
-    assert (tmp_path / "adapter_config.json").is_file() and (tmp_path / "reward.png").is_file()
+    assert (output / "adapter_config.json").is_file() and (output / "reward.png").is_file()

@@ -313,9 +313,9 @@ def trl_runs(tmp_path_factory) -> dict[str, list[dict]]:
     _hf_zeropp_launch("--config_file", str(STOCK_CPU), "-m", "trl.scripts.dpo", "--dataset_name",
                       str(work / "dpo_data"), "--output_dir", str(work / "dpo_launched"), "--zeropp", "zero3", *common)
     # the ported scripts: both in one stock launch, each with its ZEROPP_* variables (tests/launch_scripts/run_each.py)
-    _stock_launch(str(SCRIPTS / "run_each.py"), "tests/launch_scripts/trl_script_imported.py", *(
-        shlex.join([*config, kind, "--dataset_name", str(work / f"{kind}_data"), "--output_dir",
-                    str(work / f"{kind}_imported"), *common])
+    _stock_launch(str(SCRIPTS / "run_each.py"), *(
+        shlex.join([*config, "tests/launch_scripts/trl_script_imported.py", kind, "--dataset_name",
+                    str(work / f"{kind}_data"), "--output_dir", str(work / f"{kind}_imported"), *common])
         for kind, config in (("sft", ["ZEROPP_CONFIG=zeropp", "ZEROPP_NODE_SIZE=2"]), ("dpo", ["ZEROPP_CONFIG=zero3"]))))
     return {f"{kind}_{way}": _logs(work / f"{kind}_{way}" / "checkpoint-3")
             for kind in ("sft", "dpo") for way in ("launched", "imported")}

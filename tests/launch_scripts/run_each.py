@@ -1,14 +1,14 @@
-"""A training script, unmodified, run once per argument string in one launch:
+"""Training scripts, unmodified, run one after the other in one launch:
 
-    accelerate launch ... tests/launch_scripts/run_each.py scripts/train_accelerate.py "--zeropp zero1 ..." "..."
+    accelerate launch ... tests/launch_scripts/run_each.py "scripts/train_accelerate.py --zeropp zero1 ..." "..."
 
-Each string is one run's command line (``sys.argv`` as the script sees it; the script runs as ``__main__``), after
-any ``NAME=VALUE`` words, which set environment variables for that run only. Runs
-of tests/test_integrations.py share one launch's startup (4 workers importing torch, Transformers, Accelerate and
-hf_zeropp, more than most of the runs themselves) instead of paying it once per config. Between runs Accelerate's
-process-wide state is reset, as separate launches would have it, and the process group is kept: the scripts' own
-``end_training`` destroys it, and gloo cannot form a new one on the launcher's store under the same name. It is
-destroyed after the last run.
+Each string is one run's command line: the script (a path from the checkout's root; it runs as ``__main__``) and its
+arguments (``sys.argv`` as the script sees it), after any ``NAME=VALUE`` words, which set environment variables for
+that run only. Runs of the launch tests share one launch's startup (4 workers importing torch, Transformers,
+Accelerate and hf_zeropp, more than most of the runs themselves) instead of paying it once per run. Between runs
+Accelerate's process-wide state is reset, as separate launches would have it, and the process group is kept: the
+scripts' own ``end_training`` destroys it, and gloo cannot form a new one on the launcher's store under the same
+name. It is destroyed after the last run.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
-    script, runs = str(ROOT / sys.argv[1]), sys.argv[2:]
+    runs = sys.argv[1:]
     sys.path.insert(0, str(ROOT))  # the scripts import hf_zeropp.testing and scripts.* from the checkout
     destroy = PartialState.destroy_process_group
     PartialState.destroy_process_group = lambda self, group=None: None
@@ -40,7 +40,8 @@ def main() -> None:
                 environ[name] = value
             before = {name: os.environ.get(name) for name in environ}
             os.environ.update(environ)
-            sys.argv = [script, *words]
+            script = str(ROOT / words[0])
+            sys.argv = [script, *words[1:]]
             runpy.run_path(script, run_name="__main__")
             for name, value in before.items():
                 if value is None:
