@@ -13,11 +13,8 @@ kernel_log=$(mktemp)
 kernels=$!
 # The lane's .venv-min is built (pip: downloads, unpacking) at the lowest CPU priority while the main suite runs, with
 # the lane's tests only collected; they run after the suite, when the lane's installs find everything in place.
-# Lowest where Linux schedules by session (autogroup): a session of its own whose group is at nice 19, since plain
-# nice only ranks a process within its session, and torchrun starts each worker in a session of its own.
-lowest_priority() { setsid -w sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$@"' sh "$@"; }
 lane_log=$(mktemp)
-lowest_priority bash scripts/test_min_versions.sh --collect-only -q >"$lane_log" 2>&1 &
+setsid -w sh scripts/lowest_priority.sh bash scripts/test_min_versions.sh --collect-only -q >"$lane_log" 2>&1 &
 lane_setup=$!
 trap 'kill "$lane_setup" "$kernels" 2>/dev/null || true' EXIT
 .venv/bin/python -m pytest -q --durations=30 "$@"

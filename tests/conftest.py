@@ -46,11 +46,9 @@ def killed_mid_save(resume_dir):
 # idle (a launch's workers waiting for each other, a timeout running out) instead of a stretch of their own. Same
 # commands, same sources, same checks as compiling in the tests.
 #
-# The lowest priority, where Linux groups the scheduling by session (autogroup): nice only ranks a process against
-# the others of its session, and torchrun starts each worker in a session of its own, so a compile at nice 19 in
-# pytest's session still took a fair share of the CPU from a launch's workers (a launch test ran 14 % slower beside
-# one). The compiles run in a session of their own whose group is set to nice 19 as well.
-LOWEST_PRIORITY = ["sh", "-c", 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 "$@"', "sh"]
+# scripts/lowest_priority.sh, in a session of their own: plain nice in pytest's session is not the lowest priority
+# where Linux schedules by session.
+LOWEST_PRIORITY = ["sh", str(Path(__file__).resolve().parent.parent / "scripts" / "lowest_priority.sh")]
 NVCC = shutil.which("nvcc")
 GXX = shutil.which("g++")
 _NVCC_TEST = "test_cuda_sources.py::test_cu_files_compile_for_sm80_and_sm90"
