@@ -12,9 +12,12 @@
 // and quantized in three passes: absmax by atomicMax into the scales buffer, quantization, absmax -> scale; the input is
 // read twice.
 //
-// Vector access. A full chunk at a suitably aligned address moves as 16-byte (values), 8-byte (int8 codes) or 4-byte
-// (int4 codes) accesses; any other chunk (odd row lengths, block sizes that are not a multiple of 8, row tails) moves
-// element by element. The check is per chunk, so nothing is assumed about the caller's alignment.
+// Loads ahead. A thread loads the raw bits of its chunks of a tile, then converts and computes; the kernels' loops
+// stage the loads of the next tile before they compute the current one, so a thread has a tile's loads in flight
+// while it works. When every chunk of a tile is whole and the tile's first element aligned, the loads are
+// straight-line 16-byte (values), 8-byte (int8 codes) or 4-byte (int4 codes) accesses; any other tile (odd row
+// lengths, block sizes that are not a multiple of 8, row tails) is read element by element, so nothing is assumed
+// about the caller's alignment. Stores are checked per chunk.
 //
 // Hadamard rotation. A rotation group of H <= 128 elements is H / 8 consecutive chunks of one tile (tiles start at
 // multiples of H: block sizes are multiples of H, and tile sizes are powers of two >= H unless the row is shorter
@@ -23,8 +26,9 @@
 // warp, H / 8 <= 16 lanes) or a register index (a swap inside the thread). Elements of a group cut short by the
 // row's end take no part, as in the reference.
 //
-// Exactness. Conversions are the round-to-nearest intrinsics, every product, sum and quotient a single rounding
-// (__fmul_rn, __fadd_rn, __fdiv_rn; the file is also built with --fmad=false). A block's absmax is the unsigned maximum
+// Exactness. Conversions are the round-to-nearest intrinsics or exact integer tricks (round_to_int, code_to_float),
+// every product, sum and quotient a single rounding (__fmul_rn, __fadd_rn, __fdiv_rn; the file is also built with
+// --fmad=false). A block's absmax is the unsigned maximum
 // of its values' bit patterns with the sign bit cleared: that orders non-negative floats as fmaxf would, but every NaN
 // pattern exceeds +inf's, so a NaN wins as it does in torch.amax (fmaxf would drop it).
 
@@ -34,6 +38,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "counter_hash.h"
 #include "quant_kernels.h"
@@ -48,6 +53,7 @@ constexpr int64_t kMaxFusedBlock = int64_t(kMaxFusedGroup) * kChunksPerThread * 
 constexpr int kSplitGroup = 256;                   // G of the split (multi-tile block) path
 constexpr int64_t kSplitTile = int64_t(kSplitGroup) * kChunksPerThread * kChunk;
 constexpr int64_t kDequantTile = 32 * 2 * kChunk;  // largest tile of dequantization (shape 32 x 2)
+constexpr int kMaxRotation = 128;                  // largest Hadamard group (cuda_binding.cpp checks it)
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t packed_length(int64_t length, int bits) { return bits == 8 ? length : (length + 1) / 2; }
@@ -79,59 +85,123 @@ __device__ __forceinline__ bool is_aligned(const T* p) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Element conversion and chunk access
+//
+// A thread first loads the raw bits of its chunks of a tile and converts them later, so that the loads of the next
+// tile are in flight while the current one is computed (see the kernels' loops). Chunks of 8 elements are stored
+// as 32-bit words: 2 * sizeof(T) words of values, 2 words of int8 codes or 1 word of int4 codes.
+
+// Round half to even, exact for |r| < 2^22: adding 1.5 * 2^23 leaves the rounded integer in the low mantissa bits.
+// Full-rate arithmetic in place of the conversion unit's rint and float-to-int, which quantization would saturate.
+constexpr float kRoundingBias = 12582912.0f;
+constexpr int32_t kRoundingBiasBits = 0x4B400000;
+
+__device__ __forceinline__ int round_to_int(float r) {
+  return __float_as_int(__fadd_rn(r, kRoundingBias)) - kRoundingBiasBits;
+}
+
+// The same trick backwards: an integer code (|q| < 2^22) as a float, exactly.
+__device__ __forceinline__ float code_to_float(int q) {
+  return __fsub_rn(__int_as_float(kRoundingBiasBits + q), kRoundingBias);
+}
 
 template <typename T>
 struct Convert;
 
 template <>
 struct Convert<float> {
-  static __device__ __forceinline__ float to_float(float v) { return v; }
-  static __device__ __forceinline__ float from_float(float v) { return v; }
+  static __device__ __forceinline__ float low(uint32_t w) { return __uint_as_float(w); }
+  static __device__ __forceinline__ uint32_t bits(float v) { return __float_as_uint(v); }
 };
 
 template <>
 struct Convert<__half> {
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-  static __device__ __forceinline__ float bits_to_float(uint32_t b) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  static __device__ __forceinline__ float low(uint32_t w) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xFFFFu)));
   }
-  static __device__ __forceinline__ uint32_t float_to_bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
+  static __device__ __forceinline__ float high(uint32_t w) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {  // one conversion for both halves
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return static_cast<uint32_t>(__half_as_ushort(__low2half(h))) |
+           (static_cast<uint32_t>(__half_as_ushort(__high2half(h))) << 16);
+  }
+  static __device__ __forceinline__ uint32_t bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
 };
 
 template <>
 struct Convert<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  static __device__ __forceinline__ float bits_to_float(uint32_t b) {
-    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+  static __device__ __forceinline__ float low(uint32_t w) { return __uint_as_float(w << 16); }
+  static __device__ __forceinline__ float high(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__low2bfloat16(h))) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__high2bfloat16(h))) << 16);
   }
-  static __device__ __forceinline__ uint32_t float_to_bits(float v) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  }
+  static __device__ __forceinline__ uint32_t bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 };
 
-// v <- the first cnt elements at p as fp32; zeros past cnt, which never change a block's absmax.
 template <typename T>
-__device__ __forceinline__ void load_values(const T* p, int cnt, float v[kChunk]) {
-  if (cnt == kChunk && is_aligned<16>(p)) {
-    if constexpr (sizeof(T) == 4) {
-      const float4 a = reinterpret_cast<const float4*>(p)[0];
-      const float4 b = reinterpret_cast<const float4*>(p)[1];
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-      v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-      const uint4 raw = *reinterpret_cast<const uint4*>(p);
-      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+struct ValueWords {
+  static constexpr int kPerChunk = 2 * sizeof(T);  // 32-bit words per chunk
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t element_bits(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return __float_as_uint(*reinterpret_cast<const float*>(p));
+  } else {
+    return *reinterpret_cast<const unsigned short*>(p);
+  }
+}
+
+// w <- the raw bits of a thread's C chunks of a tile of n elements starting at p (zeros past n). When every chunk
+// of the tile is whole and p is 16-byte aligned (chunks are 8 elements, so at least 16 bytes, apart), the loads are
+// straight-line 16-byte loads with nothing in between; otherwise element by element.
+template <typename T, int G, int C>
+__device__ __forceinline__ void load_value_bits(const T* p, int n, int lane,
+                                                uint32_t w[C][ValueWords<T>::kPerChunk]) {
+  constexpr int kWords = ValueWords<T>::kPerChunk;
+  if (n % kChunk == 0 && is_aligned<16>(p)) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // little endian: the lower half of a word is the lower address
-        v[2 * i] = Convert<T>::bits_to_float(words[i] & 0xFFFFu);
-        v[2 * i + 1] = Convert<T>::bits_to_float(words[i] >> 16);
+    for (int c = 0; c < C; ++c) {
+      const int offset = (c * G + lane) * kChunk;
+#pragma unroll
+      for (int i = 0; i < kWords / 4; ++i) {
+        const uint4 a = offset < n ? reinterpret_cast<const uint4*>(p + offset)[i] : make_uint4(0, 0, 0, 0);
+        w[c][4 * i] = a.x; w[c][4 * i + 1] = a.y; w[c][4 * i + 2] = a.z; w[c][4 * i + 3] = a.w;
       }
     }
-  } else {
+    return;
+  }
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) v[j] = j < cnt ? Convert<T>::to_float(p[j]) : 0.0f;
+  for (int c = 0; c < C; ++c) {
+    const int offset = (c * G + lane) * kChunk;
+    const int cnt = chunk_count(n, offset);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[c][i] = 0;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      if (j < cnt) {
+        if constexpr (sizeof(T) == 4) {
+          w[c][j] = element_bits(p + offset + j);
+        } else {  // little endian: the lower half of a word is the lower address
+          w[c][j / 2] |= element_bits(p + offset + j) << (16 * (j % 2));
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void bits_to_values(const uint32_t w[ValueWords<T>::kPerChunk], float v[kChunk]) {
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    if constexpr (sizeof(T) == 4) {
+      v[j] = Convert<T>::low(w[j]);
+    } else {
+      v[j] = j % 2 ? Convert<T>::high(w[j / 2]) : Convert<T>::low(w[j / 2]);
+    }
   }
 }
 
@@ -144,47 +214,67 @@ __device__ __forceinline__ void store_values(T* p, int cnt, const float v[kChunk
     } else {
       uint32_t words[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        words[i] = Convert<T>::float_to_bits(v[2 * i]) | (Convert<T>::float_to_bits(v[2 * i + 1]) << 16);
-      }
+      for (int i = 0; i < 4; ++i) words[i] = Convert<T>::pack(v[2 * i], v[2 * i + 1]);
       *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
     }
   } else {
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      if (j < cnt) p[j] = Convert<T>::from_float(v[j]);
+      if (j < cnt) {
+        const uint32_t b = Convert<T>::bits(v[j]);
+        if constexpr (sizeof(T) == 4) {
+          reinterpret_cast<uint32_t*>(p)[j] = b;
+        } else {
+          reinterpret_cast<unsigned short*>(p)[j] = static_cast<unsigned short>(b);
+        }
+      }
     }
   }
 }
 
-// q <- the chunk's first cnt codes, zeros past cnt. p points at the chunk's first byte: with 4 bits, element 2i is
-// the low and 2i + 1 the high nibble of byte i.
-__device__ __forceinline__ void load_codes(const int8_t* p, int bits, int cnt, int q[kChunk]) {
-  if (bits == 8) {
-    if (cnt == kChunk && is_aligned<8>(p)) {
-      const uint2 w = *reinterpret_cast<const uint2*>(p);
+// w <- the codes of a thread's C chunks of a tile of n elements whose first code byte is p: 2 words per chunk of
+// int8 codes, 1 of int4 (element 2i is the low and 2i + 1 the high nibble of byte i); zeros past n. Whole tiles at
+// an aligned address load as straight-line 8- or 4-byte loads.
+template <int G, int C>
+__device__ __forceinline__ void load_code_bits(const int8_t* p, int bits, int n, int lane, uint32_t w[C][2]) {
+  const bool vector = n % kChunk == 0 && (bits == 8 ? is_aligned<8>(p) : is_aligned<4>(p));
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // shift the byte to the top, then sign-extend it back down
-        q[j] = static_cast<int32_t>(w.x << (24 - 8 * j)) >> 24;
-        q[j + 4] = static_cast<int32_t>(w.y << (24 - 8 * j)) >> 24;
+  for (int c = 0; c < C; ++c) {
+    const int offset = (c * G + lane) * kChunk;
+    const int8_t* chunk = p + (bits == 8 ? offset : offset / 2);
+    w[c][0] = 0;
+    w[c][1] = 0;
+    if (vector) {
+      if (offset < n) {
+        if (bits == 8) {
+          const uint2 a = *reinterpret_cast<const uint2*>(chunk);
+          w[c][0] = a.x;
+          w[c][1] = a.y;
+        } else {
+          w[c][0] = *reinterpret_cast<const uint32_t*>(chunk);
+        }
       }
     } else {
+      const int cnt = chunk_count(n, offset);
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) q[j] = j < cnt ? p[j] : 0;
-    }
-  } else {
-    uint32_t w = 0;
-    if (cnt == kChunk && is_aligned<4>(p)) {
-      w = *reinterpret_cast<const uint32_t*>(p);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kChunk / 2; ++i) {
-        if (2 * i < cnt) w |= static_cast<uint32_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+      for (int j = 0; j < kChunk; ++j) {
+        if (j < cnt) {
+          const uint32_t byte = static_cast<uint8_t>(chunk[bits == 8 ? j : j / 2]);
+          if (bits == 8) {
+            w[c][j / 4] |= byte << (8 * (j % 4));
+          } else {  // only this element's nibble: an odd tile's last byte holds no element past n
+            w[c][0] |= ((byte >> (4 * (j % 2))) & 0xFu) << (4 * j);
+          }
+        }
       }
     }
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) q[j] = j < cnt ? static_cast<int32_t>(w << (28 - 4 * j)) >> 28 : 0;
   }
+}
+
+// Code j of a chunk's words, sign-extended: shift its field to the top, then back down.
+__device__ __forceinline__ int code_at(const uint32_t w[2], int bits, int j) {
+  return bits == 8 ? static_cast<int32_t>(w[j / 4] << (24 - 8 * (j % 4))) >> 24
+                   : static_cast<int32_t>(w[0] << (28 - 4 * j)) >> 28;
 }
 
 // Stores the chunk's first cnt codes (q is zero past cnt, so an odd row's last byte gets a zero high nibble).
@@ -231,18 +321,22 @@ struct Quantizer {
   // or infinite) and the elements past cnt get code 0.
   __device__ __forceinline__ void operator()(const float v[kChunk], int cnt, float scale, bool usable, int64_t index,
                                              int q[kChunk]) const {
+    const int code_max = static_cast<int>(qmax);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      float r = 0.0f;
+      int code = 0;
       if (usable && j < cnt) {
-        r = fminf(fmaxf(__fdiv_rn(v[j], scale), -qmax), qmax);
+        const float r = fminf(fmaxf(__fdiv_rn(v[j], scale), -qmax), qmax);
         if (stochastic) {
-          r = fminf(fmaxf(floorf(__fadd_rn(r, uniform(key, index + j))), -qmax), qmax);
+          const float sum = __fadd_rn(r, uniform(key, index + j));
+          code = round_to_int(sum);
+          if (code_to_float(code) > sum) code -= 1;  // floor
+          code = min(max(code, -code_max), code_max);
         } else {
-          r = rintf(r);  // half to even, as torch.round
+          code = round_to_int(r);  // half to even, as torch.round
         }
       }
-      q[j] = __float2int_rn(r);  // r is integral: exact
+      q[j] = code;
     }
   }
 };
@@ -351,12 +445,11 @@ __device__ __forceinline__ void rotate_tile(float v[C][kChunk], int n, int lane,
   }
 #pragma unroll
   for (int h = 1; h < kChunk; h *= 2) {
-    if (h >= rot.size) break;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
-        if ((j & h) == 0 && whole[c][j]) {
+        if ((j & h) == 0 && h < rot.size && whole[c][j]) {
           const float a = v[c][j], b = v[c][j + h];
           v[c][j] = __fadd_rn(a, b);
           v[c][j + h] = __fsub_rn(a, b);
@@ -367,7 +460,11 @@ __device__ __forceinline__ void rotate_tile(float v[C][kChunk], int n, int lane,
   constexpr int kWidth = G < 32 ? G : 32;
   const unsigned warp_lane = threadIdx.x & 31u;
   const unsigned mask = kWidth == 32 ? 0xFFFFFFFFu : ((1u << kWidth) - 1u) << (warp_lane & ~(kWidth - 1u));
-  for (int bit = 1; bit * kChunk < rot.size; bit *= 2) {  // chunk-number bit: h = 8 * bit
+  // Unrolled over every bit a rotation of up to 128 elements has, so that the partner register c ^ step below is a
+  // compile-time index: a run-time one puts the whole tile in local memory.
+#pragma unroll
+  for (int bit = 1; bit * kChunk < kMaxRotation; bit *= 2) {  // chunk-number bit: h = 8 * bit
+    if (bit * kChunk >= rot.size) break;
     if (bit < G) {
 #pragma unroll
       for (int c = 0; c < C; ++c) {
@@ -408,6 +505,9 @@ __device__ __forceinline__ void rotate_tile(float v[C][kChunk], int n, int lane,
 
 // ---------------------------------------------------------------------------------------------------------------
 // Sources: what a tile's fp32 values are read from
+//
+// stage() issues the loads of a tile into a Staged value and returns at once; finish() turns it into fp32 values.
+// The kernels stage the next tile before they finish the current one.
 
 // A plain float tensor (rows, length). Output row (s * node_size + d) * nodes + m reads source row
 // (m * node_size + d) * stages + s; node_size = stages = 1 makes that the identity (plain quantization).
@@ -419,6 +519,11 @@ struct DenseSource {
   int64_t node_size;
   int64_t stages;
 
+  template <int C>
+  struct Staged {
+    uint32_t bits[C][ValueWords<T>::kPerChunk];
+  };
+
   __device__ __forceinline__ int64_t source_row(int64_t row) const {
     if (node_size == 1 && stages == 1) return row;
     const int64_t slot = div_nonneg(row, nodes);  // s * node_size + d
@@ -429,14 +534,15 @@ struct DenseSource {
   }
 
   template <int G, int C>
-  __device__ __forceinline__ void load(int64_t src_row, int64_t /*block*/, int64_t col, int n, int lane,
-                                       float v[C][kChunk]) const {
-    const T* p = x + src_row * length + col;
+  __device__ __forceinline__ void stage(const Tile& tile, int64_t src_row, int lane, Staged<C>& staged) const {
+    load_value_bits<T, G, C>(x + src_row * length + tile.col, tile.n, lane, staged.bits);
+  }
+
+  template <int G, int C>
+  __device__ __forceinline__ void finish(const Staged<C>& staged, const Tile& /*tile*/, int /*lane*/,
+                                         float v[C][kChunk]) const {
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int offset = (c * G + lane) * kChunk;
-      load_values(p + offset, chunk_count(n, offset), v[c]);
-    }
+    for (int c = 0; c < C; ++c) bits_to_values<T>(staged.bits[c], v[c]);
   }
 };
 
@@ -452,42 +558,66 @@ struct ReduceSource {
   int64_t scale_stride;  // rows * blocks_per_row
   int bits;
 
+  template <int C>
+  struct Staged {  // the first input's codes and scale
+    uint32_t bits[C][2];
+    float scale;
+  };
+
   __device__ __forceinline__ int64_t source_row(int64_t row) const { return row; }
 
-  template <int G, int C, bool kFirst>
-  __device__ __forceinline__ void accumulate(const int8_t* p, float scale, int n, int lane, float v[C][kChunk]) const {
+  __device__ __forceinline__ const int8_t* tile_codes(const Tile& tile) const {
+    return codes + tile.row * packed + (bits == 8 ? tile.col : tile.col / 2);  // col is even with 4 bits
+  }
+  __device__ __forceinline__ const float* tile_scale(const Tile& tile) const {
+    return scales + tile.row * blocks_per_row + tile.block;
+  }
+
+  template <int G, int C>
+  __device__ __forceinline__ void stage(const Tile& tile, int64_t /*src_row*/, int lane, Staged<C>& staged) const {
+    load_code_bits<G, C>(tile_codes(tile), bits, tile.n, lane, staged.bits);
+    staged.scale = tile.n > 0 ? *tile_scale(tile) : 0.0f;
+  }
+
+  template <int C>
+  __device__ __forceinline__ void accumulate(const uint32_t w[C][2], float scale, bool first,
+                                             float v[C][kChunk]) const {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const int offset = (c * G + lane) * kChunk;
-      int q[kChunk];
-      load_codes(p + (bits == 8 ? offset : offset / 2), bits, chunk_count(n, offset), q);
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
-        const float value = __fmul_rn(__int2float_rn(q[j]), scale);
-        v[c][j] = kFirst ? value : __fadd_rn(v[c][j], value);  // starting from x0, not 0 + x0, keeps -0.0
+        const float value = __fmul_rn(code_to_float(code_at(w[c], bits, j)), scale);
+        v[c][j] = first ? value : __fadd_rn(v[c][j], value);  // starting from x0, not 0 + x0, keeps -0.0
       }
     }
   }
 
+  // Each input's loads are issued before the previous input is added, so two inputs are in flight at once.
   template <int G, int C>
-  __device__ __forceinline__ void load(int64_t row, int64_t block, int64_t col, int n, int lane,
-                                       float v[C][kChunk]) const {
-    const int8_t* p = codes + row * packed + (bits == 8 ? col : col / 2);  // col is even with 4 bits
-    const float* s = scales + row * blocks_per_row + block;
-    accumulate<G, C, true>(p, *s, n, lane, v);
-    // Unrolled so that several inputs' loads are in flight at once: a thread's own chunks are only a few bytes.
-#pragma unroll 4
+  __device__ __forceinline__ void finish(const Staged<C>& staged, const Tile& tile, int lane,
+                                         float v[C][kChunk]) const {
+    uint32_t current[C][2];
+#pragma unroll
+    for (int c = 0; c < C; ++c) current[c][0] = staged.bits[c][0], current[c][1] = staged.bits[c][1];
+    float scale = staged.scale;
+    const int8_t* p = tile_codes(tile);
+    const float* s = tile_scale(tile);
     for (int64_t i = 1; i < k; ++i) {
-      p += code_stride;
-      s += scale_stride;
-      accumulate<G, C, false>(p, *s, n, lane, v);
+      uint32_t next[C][2];
+      load_code_bits<G, C>(p + i * code_stride, bits, tile.n, lane, next);
+      const float next_scale = s[i * scale_stride];
+      accumulate<C>(current, scale, i == 1, v);
+#pragma unroll
+      for (int c = 0; c < C; ++c) current[c][0] = next[c][0], current[c][1] = next[c][1];
+      scale = next_scale;
     }
+    accumulate<C>(current, scale, k == 1, v);
     // 0 * scale is NaN for a NaN or infinite scale: reset the padding past the tile to zero.
 #pragma unroll
     for (int c = 0; c < C; ++c) {
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
-        if ((c * G + lane) * kChunk + j >= n) v[c][j] = 0.0f;
+        if ((c * G + lane) * kChunk + j >= tile.n) v[c][j] = 0.0f;
       }
     }
   }
@@ -495,6 +625,36 @@ struct ReduceSource {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Kernels
+
+// The tiles a group of G threads owns in a grid-stride loop, each staged one iteration ahead: the loads of tile
+// t + stride are issued before tile t is converted, computed and stored, so a thread keeps a tile's loads in flight
+// while it works. Calls body(tile, src_row, staged) for each non-empty tile; a whole-CTA group (G > 32) skips empty
+// tiles together.
+template <class Source, int G, int C, class Body>
+__device__ __forceinline__ void for_each_tile(const Source& src, const TileGrid& grid, int lane, Body&& body) {
+  constexpr int kTile = G * C * kChunk;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * Group<G>::kPerCta;
+  int64_t t = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G;
+  if (t >= grid.tiles) return;
+  Tile tile = locate<kTile>(grid, t);
+  int64_t src_row = src.source_row(tile.row);
+  typename Source::template Staged<C> staged;
+  src.template stage<G, C>(tile, src_row, lane, staged);
+  for (;;) {
+    const Tile current = tile;
+    const int64_t current_row = src_row;
+    const typename Source::template Staged<C> current_staged = staged;
+    t += stride;
+    const bool more = t < grid.tiles;
+    if (more) {
+      tile = locate<kTile>(grid, t);
+      src_row = src.source_row(tile.row);
+      src.template stage<G, C>(tile, src_row, lane, staged);
+    }
+    if (current.n > 0) body(current, current_row, current_staged);
+    if (!more) return;
+  }
+}
 
 struct QuantTarget {
   int8_t* codes;   // (rows, packed)
@@ -510,20 +670,16 @@ struct QuantTarget {
 // at zero; kApply reads it back and writes the codes; absmax_to_scale_kernel then turns the slots into scales.
 enum class Pass { kFused, kAbsmax, kApply };
 
-template <class Source, int G, int C, Pass kPass>
+// kRotate: out.rotation is applied. A template parameter, so that the kernels without a rotation (nearly every call)
+// carry none of its code and registers.
+template <class Source, int G, int C, Pass kPass, bool kRotate>
 __global__ void __launch_bounds__(Group<G>::kCta)
     quantize_kernel(const Source src, const QuantTarget out, const TileGrid grid) {
-  constexpr int kTile = G * C * kChunk;
   const int lane = static_cast<int>(threadIdx.x) % G;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * Group<G>::kPerCta;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G; t < grid.tiles;
-       t += stride) {
-    const Tile tile = locate<kTile>(grid, t);
-    if (tile.n == 0) continue;  // uniform over the group
-    const int64_t src_row = src.source_row(tile.row);
+  for_each_tile<Source, G, C>(src, grid, lane, [&](const Tile& tile, int64_t src_row, const auto& staged) {
     float v[C][kChunk];
-    src.template load<G, C>(src_row, tile.block, tile.col, tile.n, lane, v);
-    rotate_tile<G, C>(v, tile.n, lane, out.rotation);
+    src.template finish<G, C>(staged, tile, lane, v);
+    if constexpr (kRotate) rotate_tile<G, C>(v, tile.n, lane, out.rotation);
     float* slot = out.scales + tile.row * grid.blocks_per_row + tile.block;
 
     float absmax;
@@ -539,7 +695,7 @@ __global__ void __launch_bounds__(Group<G>::kCta)
       bits = group_max<G>(bits);
       if constexpr (kPass == Pass::kAbsmax) {
         if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(slot), bits);
-        continue;
+        return;
       }
       absmax = __uint_as_float(bits);
     }
@@ -559,7 +715,7 @@ __global__ void __launch_bounds__(Group<G>::kCta)
       const int64_t col = tile.col + offset;
       store_codes(codes + (out.bits == 8 ? col : col / 2), out.bits, cnt, q);
     }
-  }
+  });
 }
 
 __global__ void absmax_to_scale_kernel(float* scales, int64_t count, float qmax) {
@@ -570,20 +726,15 @@ __global__ void absmax_to_scale_kernel(float* scales, int64_t count, float qmax)
 }
 
 // out = rotate(sum of the source's inputs) * post_scale, cast with round-to-nearest-even.
-template <typename OutT, int G, int C>
+template <typename OutT, int G, int C, bool kRotate>
 __global__ void __launch_bounds__(Group<G>::kCta)
     dequant_kernel(const ReduceSource src, OutT* __restrict__ out, const float post_scale, const Rotation rotation,
                    const TileGrid grid) {
-  constexpr int kTile = G * C * kChunk;
   const int lane = static_cast<int>(threadIdx.x) % G;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * Group<G>::kPerCta;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * Group<G>::kPerCta + threadIdx.x / G; t < grid.tiles;
-       t += stride) {
-    const Tile tile = locate<kTile>(grid, t);
-    if (tile.n == 0) continue;
+  for_each_tile<ReduceSource, G, C>(src, grid, lane, [&](const Tile& tile, int64_t, const auto& staged) {
     float v[C][kChunk];
-    src.load<G, C>(tile.row, tile.block, tile.col, tile.n, lane, v);
-    rotate_tile<G, C>(v, tile.n, lane, rotation);
+    src.finish<G, C>(staged, tile, lane, v);
+    if constexpr (kRotate) rotate_tile<G, C>(v, tile.n, lane, rotation);
     OutT* p = out + tile.row * grid.length + tile.col;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -594,7 +745,7 @@ __global__ void __launch_bounds__(Group<G>::kCta)
       for (int j = 0; j < kChunk; ++j) v[c][j] = __fmul_rn(v[c][j], post_scale);
       store_values(p + offset, cnt, v[c]);
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -681,7 +832,15 @@ cudaError_t with_dtype(DType dtype, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
-template <class Source>
+template <bool kRotate>
+using RotateTag = std::integral_constant<bool, kRotate>;
+
+template <class Fn>
+cudaError_t with_rotation(int64_t hadamard, Fn&& fn) {
+  return hadamard ? fn(RotateTag<true>{}) : fn(RotateTag<false>{});
+}
+
+template <bool kRotate, class Source>
 cudaError_t run_quantize(const Source& src, int64_t rows, int64_t length, int bits, int64_t block_size,
                          bool stochastic, int64_t seed, int64_t hadamard, int8_t* codes, float* scales,
                          cudaStream_t stream) {
@@ -694,17 +853,17 @@ cudaError_t run_quantize(const Source& src, int64_t rows, int64_t length, int bi
     return with_block_shape<kMaxFusedBlock>(block, [&](auto shape) {
       using S = decltype(shape);
       const TileGrid grid = make_grid(rows, length, block, int64_t(S::kG) * S::kC * kChunk);
-      return launch_tiles<S>(quantize_kernel<Source, S::kG, S::kC, Pass::kFused>, grid, stream, src, out);
+      return launch_tiles<S>(quantize_kernel<Source, S::kG, S::kC, Pass::kFused, kRotate>, grid, stream, src, out);
     });
   }
   const TileGrid grid = make_grid(rows, length, block, kSplitTile);
   const int64_t slots = rows * grid.blocks_per_row;
   cudaError_t err = cudaMemsetAsync(scales, 0, static_cast<size_t>(slots) * sizeof(float), stream);
   if (err != cudaSuccess) return err;
-  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kAbsmax>, grid,
+  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kAbsmax, kRotate>, grid,
                                  stream, src, out);
   if (err != cudaSuccess) return err;
-  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kApply>, grid, stream,
+  err = launch_tiles<SplitShape>(quantize_kernel<Source, SplitShape::kG, SplitShape::kC, Pass::kApply, kRotate>, grid, stream,
                                  src, out);
   if (err != cudaSuccess) return err;
   absmax_to_scale_kernel<<<grid_size(slots, 256, 256), 256, 0, stream>>>(scales, slots, qmax);
@@ -726,11 +885,13 @@ cudaError_t run_dequant(const ReduceSource& src, int64_t rows, int64_t length, i
   const int64_t shape_block = block < kDequantTile ? block : kDequantTile;
   return with_dtype(out_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return with_block_shape<kDequantTile>(shape_block, [&](auto shape) {
-      using S = decltype(shape);
-      const TileGrid grid = make_grid(rows, length, block, int64_t(S::kG) * S::kC * kChunk);
-      return launch_tiles<S>(dequant_kernel<T, S::kG, S::kC>, grid, stream, src, static_cast<T*>(out), post_scale,
-                             make_rotation(hadamard));
+    return with_rotation(hadamard, [&](auto rotate) {
+      return with_block_shape<kDequantTile>(shape_block, [&](auto shape) {
+        using S = decltype(shape);
+        const TileGrid grid = make_grid(rows, length, block, int64_t(S::kG) * S::kC * kChunk);
+        return launch_tiles<S>(dequant_kernel<T, S::kG, S::kC, decltype(rotate)::value>, grid, stream, src,
+                               static_cast<T*>(out), post_scale, make_rotation(hadamard));
+      });
     });
   });
 }
@@ -749,8 +910,11 @@ int launch_swizzle_quantize(const void* x, DType x_dtype, int64_t nodes, int64_t
   return static_cast<int>(with_dtype(x_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const DenseSource<T> src{static_cast<const T*>(x), length, nodes, node_size, stages};
-    return run_quantize(src, nodes * node_size * stages, length, bits, block_size, stochastic, seed, hadamard, codes,
-                        scales, static_cast<cudaStream_t>(stream));
+    return with_rotation(hadamard, [&](auto rotate) {
+      return run_quantize<decltype(rotate)::value>(src, nodes * node_size * stages, length, bits, block_size,
+                                                   stochastic, seed, hadamard, codes, scales,
+                                                   static_cast<cudaStream_t>(stream));
+    });
   }));
 }
 
@@ -768,8 +932,8 @@ int launch_dequant_reduce_quant(const int8_t* codes, const float* scales, int64_
                                 int8_t* out_codes, float* out_scales, void* stream) {
   if (k <= 0) return static_cast<int>(cudaSuccess);
   const ReduceSource src = reduce_source(codes, scales, k, rows, length, in_bits, block_size);
-  return static_cast<int>(run_quantize(src, rows, length, out_bits, block_size, stochastic, seed, 0, out_codes,
-                                       out_scales, static_cast<cudaStream_t>(stream)));
+  return static_cast<int>(run_quantize<false>(src, rows, length, out_bits, block_size, stochastic, seed, 0, out_codes,
+                                              out_scales, static_cast<cudaStream_t>(stream)));
 }
 
 int launch_dequant_reduce(const int8_t* codes, const float* scales, int64_t k, int64_t rows, int64_t length,

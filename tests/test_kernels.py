@@ -405,3 +405,25 @@ def test_dequantize_into_a_view_of_a_larger_buffer():
     K.dequantize(*q, bits=8, block_size=16, out=buffer[1:])
     assert torch.equal(buffer[0], torch.zeros(50))
     assert torch.equal(buffer[1:], K.dequantize(*q, bits=8, block_size=16, backend="reference"))
+
+
+def test_bandwidth_bench_check_tells_a_kernel_that_differs_from_the_reference():
+    """scripts/benchmarks/kernels.py --check, which the GPU check runs at 16M and 256M elements (sizes at which each
+    GPU thread does several tiles): the compiled kernels pass, a kernel off by one code in one block does not."""
+    from scripts.benchmarks.kernels import _matches_reference
+
+    x = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    compiled = K.active_backend("cpu")
+
+    def quantize(backend: str):
+        return K.quantize(x, 4, 256, stochastic=True, seed=3, backend=backend)
+
+    def off_by_one(backend: str):
+        codes, scales = quantize(backend)
+        if backend != "reference":
+            codes = codes.clone()
+            codes[1, 700] += 1
+        return type(quantize(backend))(codes, scales)
+
+    assert _matches_reference(quantize, compiled)
+    assert not _matches_reference(off_by_one, compiled)

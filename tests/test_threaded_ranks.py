@@ -192,3 +192,26 @@ def _cuda_threads_of(fn) -> list:
 
     torch.cuda.set_device(0)
     return run_threaded(fn, WORLD, own_streams=True, sanitizer=_sanitizer.cuda_sanitizer.dispatch)
+
+
+def test_gpu_step_benchmark_trains_its_presets_on_cpu_threads(tmp_path, monkeypatch):
+    """scripts/benchmarks/gpu_ranks_step.py (the GPU check's real-model step) in its CPU dry run: each preset
+    trains on four rank threads with equal shards, and only ZeRO++ runs qwZ and qgZ."""
+    import json
+    import sys
+
+    from scripts.benchmarks import gpu_ranks_step
+
+    monkeypatch.setattr(sys, "argv", ["gpu_ranks_step", "--device", "cpu", "--hidden", "64", "--layers", "2",
+                                      "--vocab", "256", "--seq", "32", "--batch", "2", "--warmup", "1", "--steps", "1",
+                                      "--configs", "ZeRO-3,ZeRO++", "--out", str(tmp_path)])
+    gpu_ranks_step.main()
+    results = json.loads((tmp_path / "gpu_ranks_step.json").read_text())["results"]
+    for name, result in results.items():
+        assert "error" not in result, (name, result.get("traceback"))
+        assert result["step_ms"] > 0 and all(loss == loss for loss in result["last_loss"])
+        assert len(set(result["rank_state_gib"])) == 1 and result["rank_state_gib"][0] > 0
+    described = {name: json.dumps(result["implementations"]) for name, result in results.items()}
+    assert "qwZ" in described["ZeRO++"] and "qgZ" in described["ZeRO++"]
+    assert "qwZ" not in described["ZeRO-3"] and "qgZ" not in described["ZeRO-3"]
+    assert results["ZeRO++"]["profile"]["hf_zeropp_seconds"] > 0
