@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# Everything a GPU machine checks, in one run (~8 min on an H200, 4.5 of them building; CUDA_OBJECTS saves most of
-# that): build the CPU and CUDA kernels, run every CUDA test (bit-identical to the reference on CPU), run the 4-rank
+# Everything a GPU machine checks, in one run (about 6 min on an H200 with the kernels compiled ahead, CUDA_OBJECTS;
+# building them there adds 4.5): build the CPU and CUDA kernels, run every CUDA test (bit-identical to the reference on CPU), run the 4-rank
 # ZeRO++ step on the one GPU (ranks as threads, a CUDA stream each) plainly and under torch's CUDA stream sanitizer,
 # time the kernels beside a copy, beside other versions of the kernels and beside torchao's blockwise quantization,
 # time a GPT-2 355M training step on 4 threaded ranks under ZeRO-3, ZeRO++ and hybrid-q, and profile three kernels
 # with Nsight Compute where it is installed. Results land in $OUT (default
-# out/gpu_check): log.txt, every pytest run whole, and the benchmark files. docs/results/2026-11-26-gpu-h200.md and
-# docs/results/2026-11-27-gpu-kernels-multirank.md hold one machine's results.
+# out/gpu_check): log.txt, every pytest run whole, and the benchmark files. docs/results/2026-11-26-gpu-h200.md,
+# 2026-11-27-gpu-kernels-multirank.md and 2026-11-28-gpu-kernels-loads-ahead.md hold one machine's results.
 #
 #   bash scripts/gpu_check.sh                 # from the repository root, with the python that holds CUDA torch
 #   PYTHON=.venv/bin/python OUT=/tmp/x bash scripts/gpu_check.sh
 #
 # Other versions of the kernels are timed side by side when named: KERNEL_VERSIONS="name=folder ..." (a folder of
-# kernel sources, e.g. an earlier commit's cuda/; where the folder holds objects/ from `python -m scripts.cuda_objects
-# compile`, run with HF_ZEROPP_KERNEL_SOURCES=folder, they are linked instead of built). A torchao wheel in TORCHAO_WHEELS (a folder) is installed for the
-# anchor. CUDA_OBJECTS (a folder from `python -m scripts.cuda_objects compile`, run ahead on any machine with nvcc)
-# links the kernels compiled ahead instead of compiling them here: seconds instead of minutes of GPU time.
-# SIZES (default 1M,16M,256M) and COMPILED_ONLY=1 (skip timing the plain-torch reference) shorten the run; SKIP names
-# steps to leave out (any of: sanitizer ncu model). The model step times a GPT-2 355M training step on 4 threaded
+# kernel sources, e.g. an earlier commit's cuda/). Where the folder holds objects/, compiled ahead with
+# `HF_ZEROPP_KERNEL_SOURCES=folder python -m scripts.cuda_objects compile folder/objects`, they are linked instead of
+# built. A torchao wheel in TORCHAO_WHEELS (a folder) is installed for the anchor. CUDA_OBJECTS (a folder from
+# `python -m scripts.cuda_objects compile`, run ahead on any machine with nvcc) links the kernels compiled ahead
+# instead of compiling them here: seconds instead of minutes of GPU time.
+# SIZES (default 1M,16M,256M) and COMPILED_ONLY=1 (skip timing the plain-torch reference) shorten the run; REPS
+# (default 5) is the timed calls per op, TEST_WORKERS (default 8) the CUDA tests' processes; SKIP names steps to
+# leave out (any of: sanitizer ncu model). The model step times a GPT-2 355M training step on 4 threaded
 # ranks (scripts/benchmarks/gpu_ranks_step.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,7 +96,8 @@ step "anchor: torchao's blockwise quantization beside ours"
 if [ -n "$TORCHAO_WHEELS" ]; then
     $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/torchao_site "$TORCHAO_WHEELS"/*.whl \
         && PYTHONPATH="$PYTHONPATH:/tmp/torchao_site" timeout 150 $PYTHON -m scripts.benchmarks.kernels \
-            --device cuda --sizes 16M,256M --reps ${REPS:-5} --compiled-only --torchao --label torchao --out "$OUT" | tail -16
+            --device cuda --sizes 16M,256M --reps ${REPS:-5} --compiled-only --torchao --label torchao --out "$OUT" \
+            | tail -16
 else
     echo "TORCHAO_WHEELS not set"
 fi
