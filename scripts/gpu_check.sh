@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Everything a GPU machine checks, in one run (about 6 min on an H200 with the kernels compiled ahead, CUDA_OBJECTS;
-# building them there adds 4.5): build the CPU and CUDA kernels, run every CUDA test (bit-identical to the reference on CPU), run the 4-rank
-# ZeRO++ step on the one GPU (ranks as threads, a CUDA stream each) plainly and under torch's CUDA stream sanitizer,
-# time the kernels beside a copy, beside other versions of the kernels and beside torchao's blockwise quantization,
-# time a GPT-2 355M training step on 4 threaded ranks under ZeRO-3, ZeRO++ and hybrid-q, and profile three kernels
-# with Nsight Compute where it is installed. Results land in $OUT (default
-# out/gpu_check): log.txt, every pytest run whole, and the benchmark files. docs/results/2026-11-26-gpu-h200.md,
-# 2026-11-27-gpu-kernels-multirank.md and 2026-11-28-gpu-kernels-loads-ahead.md hold one machine's results.
+# building them there adds 4.5):
+# - build the CPU and CUDA kernels, and run every CUDA test (bit-identical to the reference on CPU);
+# - run the 4-rank ZeRO++ step on the one GPU (ranks as threads, a CUDA stream each), plainly and under torch's CUDA
+#   stream sanitizer;
+# - time the kernels beside a copy, beside other versions of the kernels and beside torchao's blockwise quantization;
+# - time a GPT-2 355M training step on 4 threaded ranks under ZeRO-3, ZeRO++ and hybrid-q;
+# - profile three kernels with Nsight Compute where it is installed.
+# Results land in $OUT (default out/gpu_check): log.txt, every pytest run whole, and the benchmark files.
+# docs/results/2026-11-26-gpu-h200.md, 2026-11-27-gpu-kernels-multirank.md and 2026-11-28-gpu-kernels-loads-ahead.md
+# hold one machine's results.
 #
 #   bash scripts/gpu_check.sh                 # from the repository root, with the python that holds CUDA torch
 #   PYTHON=.venv/bin/python OUT=/tmp/x bash scripts/gpu_check.sh
