@@ -36,6 +36,7 @@ import torch.distributed as dist
 import hf_zeropp
 from hf_zeropp.testing.tiny_models import with_stored_int8_values
 
+from .report import save
 from .timing import synchronized_seconds
 
 BLOCK = 256
@@ -190,11 +191,7 @@ def main() -> None:
         report["timing"] = timing(args, device, compiled)
     finally:
         dist.destroy_process_group()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_e2e.json").write_text(json.dumps(report, indent=2))
-    (out / "gpu_e2e.md").write_text(markdown(report))
-    print(markdown(report))
+    save(Path(args.out), "gpu_e2e", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import re
 import statistics
 from pathlib import Path
@@ -47,6 +46,7 @@ from hf_zeropp._compat import local_tensor
 from hf_zeropp.testing.threaded_ranks import run_threaded
 
 from . import breakdown
+from .report import save
 from .timing import synchronized_seconds
 
 NODES, NODE_SIZE = 2, 2
@@ -264,11 +264,7 @@ def main() -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_ranks_step.json").write_text(json.dumps(report, indent=2))
-    (out / "gpu_ranks_step.md").write_text(markdown(report))
-    print(markdown(report))
+    save(Path(args.out), "gpu_ranks_step", report, markdown(report))
 
 
 if __name__ == "__main__":

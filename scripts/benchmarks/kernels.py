@@ -23,7 +23,6 @@ reference's on the same input, bit for bit, at every size timed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch
 
 import hf_zeropp.kernels as K
 
+from .report import save
 from .timing import synchronized_seconds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -237,15 +237,11 @@ def main() -> None:
     default = "1M,4M,16M,64M" if device.type == "cpu" else "1M,4M,16M,64M,256M"
     sizes = [_parse_size(s) for s in (args.sizes or default).split(",")]
     rows = run(device, sizes, args.dtype, args.reps, args.compiled_only, args.torchao, args.check)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"kernels_{device.type}{'_' + args.label if args.label else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
     differing = [f"DIFFERS FROM THE REFERENCE: {r['op']} @{r['elements']:,}" for r in rows
                  if r.get("matches_reference") is False]
     report = markdown(rows) + "\n\n" + "\n".join(f"- {v}" for v in differing + targets(rows)) + "\n"
-    (out / f"{stem}.md").write_text(report)
-    print("\n" + report)
+    save(Path(args.out), stem, rows, report)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,15 @@ def chart(summary: dict, path: Path) -> None:
 
 
 
+def save(out: Path, stem: str, data, text: str) -> None:
+    """``stem``.json (the data) and ``stem``.md (the text) under ``out``, made if missing; the text also goes to
+    standard output."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+
+
 def write(summary: dict, args, out: Path) -> str:
     """results.json, results.md and results.png under ``out``; returns the markdown."""
     (out / "results.json").write_text(json.dumps(summary, indent=2))
