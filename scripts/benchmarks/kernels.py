@@ -177,9 +177,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _bandwidth_target(op: str) -> float | None:
-    """The share of copy bandwidth a GPU op should reach: what only reads and writes can reach 85 %; the
-    reductions and dequantization, whose threads wait on more loads per byte written, 70 %; the Hadamard paths, with
-    their shuffles, 50 %. None for the anchors, which are not ours."""
+    """The share of copy bandwidth a GPU op is meant to reach: 85 % for quantization, 70 % for dequantization and
+    the reductions, 50 % for the Hadamard paths (their shuffles); None for the anchors, which are not ours."""
     if op.startswith("torchao") or "block 128" in op:
         return None
     if "Hadamard" in op:
