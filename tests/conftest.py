@@ -1,11 +1,15 @@
 """Fixtures shared by several test modules: the faulty 4-rank runs (a rank SIGKILLed mid-step, another mid-save)
 that both ``tests/test_rank_failures.py`` and ``tests/test_exact_resume.py`` examine. Session-scoped, so each run
 happens once however many of those modules are collected. And the compiles of the CUDA sources and of their torch
-binding (``tests/test_cuda_sources.py``), started in the background when collection ends, their tests run last."""
+binding (``tests/test_cuda_sources.py``), started in the background when collection ends, their tests run last. And
+the one launch of stock scripts given DeepSpeed configs that ``tests/test_deepspeed_training.py`` and
+``tests/test_deepspeed_checkpoint.py`` both examine."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -36,6 +40,36 @@ def killed_mid_save(resume_dir):
     work = resume_dir / "killed_mid_save"
     return faulty_run(work, run_spec("zeropp", work / "zeropp", work / "zeropp.json", save_at=[SAVE_AT, FAULT_AT],
                                      kill={"rank": 1, "step": FAULT_AT, "where": "dcp_write"}))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_config_runs(tmp_path_factory) -> Path:
+    """Stock scripts given DeepSpeed configs, under ``hf-zeropp launch`` with the stock 4-process YAML, one after the
+    other in one launch (``tests/launch_scripts/run_each.py``: one startup): the Trainer script and the Accelerate
+    script once per config of tests/fixtures/deepspeed/configs, each writing its record (``trainer.json``,
+    ``accelerate.json``); then the Trainer script resumed from DeepSpeed's own ZeRO-3 checkpoint-6 with its own
+    command line (``resumed/``). Returns the folder they wrote to."""
+    from test_deepspeed_checkpoint import TRAINER
+    from test_deepspeed_training import CONFIGS, RUNS
+    from test_launch import SCRIPTS, STOCK_CPU, _hf_zeropp_launch
+
+    work = tmp_path_factory.mktemp("deepspeed_config_runs")
+
+    def run(script: str, *args) -> str:
+        return shlex.join([f"tests/launch_scripts/{script}.py", *map(str, args)])
+
+    def configs(path: str) -> list[Path]:
+        return [CONFIGS / f"{name}.json" for name in sorted(RUNS[path])]
+
+    _hf_zeropp_launch(
+        "--config_file", str(STOCK_CPU), str(SCRIPTS / "run_each.py"),
+        run("deepspeed_trainer", "--deepspeed_configs", *configs("trainer"), "--record", work / "trainer.json",
+            "--output_dir", work / "trainer", *RUNS["trainer_arguments"]),
+        run("deepspeed_accelerate", "--deepspeed_configs", *configs("accelerate"), "--record", work / "accelerate.json"),
+        run("trainer_resumable", "--deepspeed", TRAINER / "ds_config.json",
+            *json.loads((TRAINER / "arguments.json").read_text()), "--output_dir", work / "resumed",
+            "--resume_from_checkpoint", TRAINER / "checkpoint-6"))
+    return work
 
 
 # ---------------------------------------------------------------- compiles in the background

@@ -13,9 +13,7 @@ steps unsharded (the bound when hf_zeropp is as close to that process as DeepSpe
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -322,29 +320,11 @@ def test_trainer_checkpoint_with_deepspeeds_optimizer_and_scheduler_resumes_as_d
                                                  str(tmp_path / "out"), str(fixture), timeout=600)[0], fixture)
 
 
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def trainer_resumed(tmp_path_factory) -> list[dict]:
+def trainer_resumed(deepspeed_config_runs) -> list[dict]:
     """The stock Trainer script resumed from DeepSpeed's ZeRO-3 checkpoint-6 with its own command line, under
-    ``hf-zeropp launch`` on the same 4 CPU ranks."""
-    out = tmp_path_factory.mktemp("trainer") / "resumed"
-    arguments = json.loads((TRAINER / "arguments.json").read_text())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROPP_")}
-    command = [str(Path(sys.executable).parent / "hf-zeropp"), "launch", "--config_file",
-               str(ROOT / "recipes" / "accelerate" / "cpu_4proc.yaml"), "--main_process_port", _port(),
-               str(ROOT / "tests" / "launch_scripts" / "trainer_resumable.py"), "--deepspeed",
-               str(TRAINER / "ds_config.json"), *arguments, "--output_dir", str(out), "--resume_from_checkpoint",
-               str(TRAINER / "checkpoint-6")]
-    result = subprocess.run(command, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return json.loads((out / "trainer_state.json").read_text())["log_history"]
+    ``hf-zeropp launch`` on the same 4 CPU ranks (tests/conftest.py)."""
+    return json.loads((deepspeed_config_runs / "resumed" / "trainer_state.json").read_text())["log_history"]
 
 
 def test_deepspeed_trainer_checkpoint_resumes_under_the_launcher_as_deepspeed_resumed_it(trainer_resumed):

@@ -300,22 +300,9 @@ def _off_by(ours: list[float], theirs: list[float], tolerance: list[float]) -> f
     return max(abs(a - b) - t for a, b, t in zip(ours, theirs, tolerance))
 
 
-def _launch_record(script: str, configs: list[str], extra: list[str], work: Path) -> dict:
-    from test_launch import STOCK_CPU, _hf_zeropp_launch
-
-    record = work / f"{script}.json"
-    _hf_zeropp_launch("--config_file", str(STOCK_CPU), str(ROOT / "tests" / "launch_scripts" / f"{script}.py"),
-                      "--deepspeed_configs", *[str(CONFIGS / f"{name}.json") for name in configs],
-                      "--record", str(record), *extra)
-    return json.loads(record.read_text())
-
-
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("deepspeed_runs")
-    return {"trainer": _launch_record("deepspeed_trainer", sorted(RUNS["trainer"]),
-                                      ["--output_dir", str(work / "out"), *RUNS["trainer_arguments"]], work),
-            "accelerate": _launch_record("deepspeed_accelerate", sorted(RUNS["accelerate"]), [], work)}
+def launched(deepspeed_config_runs) -> dict[str, dict]:
+    return {path: json.loads((deepspeed_config_runs / f"{path}.json").read_text()) for path in ("trainer", "accelerate")}
 
 
 CASES = [(path, name) for path in ("trainer", "accelerate") for name in sorted(RUNS[path])]

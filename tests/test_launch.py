@@ -212,16 +212,18 @@ def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
                               *TRAINER_ARGS)
     deepspeed = work / "ds_config.json"
     deepspeed.write_text(json.dumps(DEEPSPEED_ZEROPP))
-    _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "deepspeed"),
-                      "--deepspeed", str(deepspeed), *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
+    # the two runs of the stock YAML share one launch (tests/launch_scripts/run_each.py): --deepspeed on 2 emulated
+    # nodes, then the FSDP flags
+    fsdp = _hf_zeropp_launch("--config_file", str(STOCK_CPU), str(SCRIPTS / "run_each.py"), shlex.join([
+        "ZEROPP_NODE_SIZE=2", script, "--output_dir", str(work / "deepspeed"), "--deepspeed", str(deepspeed),
+        *TRAINER_ARGS]), shlex.join([script, "--output_dir", str(work / "fsdp"), *TRAINER_ARGS, "--fsdp",
+                                     "full_shard auto_wrap", "--fsdp_config", json.dumps(TRAINER_FSDP_CONFIG)]))
     accelerate_deepspeed = _write_yaml(work / "deepspeed.yaml", distributed_type="DEEPSPEED", deepspeed_config={
         "deepspeed_config_file": str(deepspeed), "zero3_init_flag": True})
     _hf_zeropp_launch("--config_file", accelerate_deepspeed, script, "--output_dir", str(work / "accelerate_deepspeed"),
                       *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
     # two machines of 2 ranks: the node size comes from the launch itself
     _launch_on_two_machines(script, "--output_dir", str(work / "two_machines"), "--zeropp", "zeropp", *TRAINER_ARGS)
-    fsdp = _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "fsdp"), *TRAINER_ARGS,
-                             "--fsdp", "full_shard auto_wrap", "--fsdp_config", json.dumps(TRAINER_FSDP_CONFIG))
     names = ("stock", "zero3", "deepspeed", "accelerate_deepspeed", "two_machines", "fsdp")
     return {name: _logs(work / name) for name in names} | {"work": work, "fsdp_output": fsdp, "stock_output": stock,
                                                             "zero3_output": zero3}
@@ -307,16 +309,19 @@ def trl_runs(tmp_path_factory) -> dict[str, list[dict]]:
         (work / f"{name}_data").mkdir()
         (work / f"{name}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     common = ("--model_name_or_path", str(work / "base"), *TRL_ARGS)
-    # SFT: ZeRO++ from the one-file YAML; DPO: ZeRO-3 from --zeropp on the script's command line (TRL's parser)
-    _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "-m", "trl.scripts.sft", "--dataset_name",
-                      str(work / "sft_data"), "--output_dir", str(work / "sft_launched"), *common)
-    _hf_zeropp_launch("--config_file", str(STOCK_CPU), "-m", "trl.scripts.dpo", "--dataset_name",
-                      str(work / "dpo_data"), "--output_dir", str(work / "dpo_launched"), "--zeropp", "zero3", *common)
-    # the ported scripts: both in one stock launch, each with its ZEROPP_* variables (tests/launch_scripts/run_each.py)
+
+    def data(kind: str, way: str) -> list[str]:
+        return ["--dataset_name", str(work / f"{kind}_data"), "--output_dir", str(work / f"{kind}_{way}"), *common]
+
+    # both under the one-file YAML (ZeRO++, 2 emulated nodes), in one launch (tests/launch_scripts/run_each.py):
+    # SFT as the YAML says; DPO with ZeRO-3 from --zeropp on the script's command line (TRL's parser)
+    _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(SCRIPTS / "run_each.py"),
+                      shlex.join(["-m", "trl.scripts.sft", *data("sft", "launched")]),
+                      shlex.join(["-m", "trl.scripts.dpo", *data("dpo", "launched"), "--zeropp", "zero3"]))
+    # the ported scripts: both in one stock launch, each with its ZEROPP_* variables
     _stock_launch(str(SCRIPTS / "run_each.py"), *(
-        shlex.join([*config, "tests/launch_scripts/trl_script_imported.py", kind, "--dataset_name",
-                    str(work / f"{kind}_data"), "--output_dir", str(work / f"{kind}_imported"), *common])
-        for kind, config in (("sft", ["ZEROPP_CONFIG=zeropp", "ZEROPP_NODE_SIZE=2"]), ("dpo", ["ZEROPP_CONFIG=zero3"]))))
+        shlex.join(["ZEROPP_CONFIG=" + preset, "ZEROPP_NODE_SIZE=2", "tests/launch_scripts/trl_script_imported.py",
+                    kind, *data(kind, "imported")]) for kind, preset in (("sft", "zeropp"), ("dpo", "zero3"))))
     return {f"{kind}_{way}": _logs(work / f"{kind}_{way}" / "checkpoint-3")
             for kind in ("sft", "dpo") for way in ("launched", "imported")}
 

@@ -2,9 +2,9 @@
 
     accelerate launch ... tests/launch_scripts/run_each.py "scripts/train_accelerate.py --zeropp zero1 ..." "..."
 
-Each string is one run's command line: the script (a path from the checkout's root; it runs as ``__main__``) and its
-arguments (``sys.argv`` as the script sees it), after any ``NAME=VALUE`` words, which set environment variables for
-that run only. Runs of the launch tests share one launch's startup (4 workers importing torch, Transformers,
+Each string is one run's command line: the script (a path from the checkout's root; it runs as ``__main__``) or
+``-m MODULE`` (run as ``python -m MODULE`` runs it), and its arguments (``sys.argv`` as the script sees it), after any
+``NAME=VALUE`` words, which set environment variables for that run only. Runs of the launch tests share one launch's startup (4 workers importing torch, Transformers,
 Accelerate and hf_zeropp, more than most of the runs themselves) instead of paying it once per run. Between runs
 Accelerate's process-wide state is reset, as separate launches would have it, and the process group is kept: the
 scripts' own ``end_training`` destroys it, and gloo cannot form a new one on the launcher's store under the same
@@ -40,9 +40,13 @@ def main() -> None:
                 environ[name] = value
             before = {name: os.environ.get(name) for name in environ}
             os.environ.update(environ)
-            script = str(ROOT / words[0])
-            sys.argv = [script, *words[1:]]
-            runpy.run_path(script, run_name="__main__")
+            if words[0] == "-m":
+                sys.argv = words[1:]
+                runpy.run_module(words[1], run_name="__main__", alter_sys=True)  # sys.argv[0]: the module's file
+            else:
+                script = str(ROOT / words[0])
+                sys.argv = [script, *words[1:]]
+                runpy.run_path(script, run_name="__main__")
             for name, value in before.items():
                 if value is None:
                     del os.environ[name]
