@@ -9,6 +9,7 @@ one line before any worker starts. Each launch is 4 CPU processes, 2 emulated no
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -101,18 +102,55 @@ def _write_yaml(path: Path, **settings) -> str:
     return str(path)
 
 
-# ---------------------------------------------------------------- Accelerate
+# ---------------------------------------------------------------- the one-file YAML: Accelerate patterns, TRL's scripts
+
+TRL_ARGS = ("--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--adam_epsilon", "1e-6", "--bf16",
+            "false", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none",
+            "--use_cpu", "--seed", "0", "--max_steps", "3", "--max_length", "32")
 
 
 @pytest.fixture(scope="module")
-def accelerate_runs(tmp_path_factory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("accelerate")
+def one_file_runs(tmp_path_factory) -> dict:
+    """The stock scripts under the launcher with the one-file YAML (ZeRO++, 2 emulated nodes x 2 ranks): the
+    Accelerate patterns in a launch of their own (rank 0's lines at exit are about its models alone), TRL's own SFT
+    script as the YAML says and its DPO script with ``--zeropp zero3`` on its command line (TRL's parser) one after
+    the other in one launch (tests/launch_scripts/run_each.py). Then all of them ported by hand (``from hf_zeropp
+    import ...``), each with its ``ZEROPP_*`` variables, in one stock ``accelerate launch``. TRL is optional: without
+    it only the Accelerate runs are made."""
+    work = tmp_path_factory.mktemp("one_file")
     output = _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(SCRIPTS / "accelerate_patterns.py"),
                                "--output", str(work / "launched"))
-    _stock_launch(str(SCRIPTS / "accelerate_patterns_imported.py"), "--output", str(work / "imported"),
-                  env={"ZEROPP_CONFIG": "zeropp", "ZEROPP_NODE_SIZE": "2"})
-    runs = {name: torch.load(work / name / "results.pt", weights_only=False) for name in ("launched", "imported")}
-    runs["launched"]["output"] = output
+
+    def ported(preset: str, script: str, *args: str) -> str:
+        return shlex.join([f"ZEROPP_CONFIG={preset}", "ZEROPP_NODE_SIZE=2", str(SCRIPTS / script), *args])
+
+    imported = [ported("zeropp", "accelerate_patterns_imported.py", "--output", str(work / "imported"))]
+    if importlib.util.find_spec("trl") is not None:
+        save_tiny_gpt2_with_tokenizer(work / "base")
+        for kind, rows in (("sft", [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"} for i in range(32)]),
+                           ("dpo", [{"prompt": f"x{i} =", "chosen": f" {i * 7}", "rejected": " none"}
+                                    for i in range(32)])):
+            (work / f"{kind}_data").mkdir()
+            (work / f"{kind}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+        def data(kind: str, way: str) -> list[str]:
+            return ["--dataset_name", str(work / f"{kind}_data"), "--output_dir", str(work / f"{kind}_{way}"),
+                    "--model_name_or_path", str(work / "base"), *TRL_ARGS]
+
+        _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(SCRIPTS / "run_each.py"),
+                          shlex.join(["-m", "trl.scripts.sft", *data("sft", "launched")]),
+                          shlex.join(["-m", "trl.scripts.dpo", *data("dpo", "launched"), "--zeropp", "zero3"]))
+        imported += [ported(preset, "trl_script_imported.py", kind, *data(kind, "imported"))
+                     for kind, preset in (("sft", "zeropp"), ("dpo", "zero3"))]
+    _stock_launch(str(SCRIPTS / "run_each.py"), *imported)
+    return {"work": work, "output": output}
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(one_file_runs) -> dict[str, dict]:
+    runs = {name: torch.load(one_file_runs["work"] / name / "results.pt", weights_only=False)
+            for name in ("launched", "imported")}
+    runs["launched"]["output"] = one_file_runs["output"]
     return runs
 
 
@@ -294,35 +332,11 @@ def test_trainer_deepspeed_flag_runs_zeropp_and_equals_zeropp_on_two_machines(tr
 
 # ---------------------------------------------------------------- TRL's own scripts
 
-TRL_ARGS = ("--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--adam_epsilon", "1e-6", "--bf16",
-            "false", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none",
-            "--use_cpu", "--seed", "0", "--max_steps", "3", "--max_length", "32")
-
 
 @pytest.fixture(scope="module")
-def trl_runs(tmp_path_factory) -> dict[str, list[dict]]:
+def trl_runs(one_file_runs) -> dict[str, list[dict]]:
     pytest.importorskip("trl", reason="TRL is optional (pip install hf_zeropp[rlhf]); scripts/setup.sh installs it")
-    work = tmp_path_factory.mktemp("trl")
-    save_tiny_gpt2_with_tokenizer(work / "base")
-    for name, rows in (("sft", [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"} for i in range(32)]),
-                       ("dpo", [{"prompt": f"x{i} =", "chosen": f" {i * 7}", "rejected": " none"} for i in range(32)])):
-        (work / f"{name}_data").mkdir()
-        (work / f"{name}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    common = ("--model_name_or_path", str(work / "base"), *TRL_ARGS)
-
-    def data(kind: str, way: str) -> list[str]:
-        return ["--dataset_name", str(work / f"{kind}_data"), "--output_dir", str(work / f"{kind}_{way}"), *common]
-
-    # both under the one-file YAML (ZeRO++, 2 emulated nodes), in one launch (tests/launch_scripts/run_each.py):
-    # SFT as the YAML says; DPO with ZeRO-3 from --zeropp on the script's command line (TRL's parser)
-    _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(SCRIPTS / "run_each.py"),
-                      shlex.join(["-m", "trl.scripts.sft", *data("sft", "launched")]),
-                      shlex.join(["-m", "trl.scripts.dpo", *data("dpo", "launched"), "--zeropp", "zero3"]))
-    # the ported scripts: both in one stock launch, each with its ZEROPP_* variables
-    _stock_launch(str(SCRIPTS / "run_each.py"), *(
-        shlex.join(["ZEROPP_CONFIG=" + preset, "ZEROPP_NODE_SIZE=2", "tests/launch_scripts/trl_script_imported.py",
-                    kind, *data(kind, "imported")]) for kind, preset in (("sft", "zeropp"), ("dpo", "zero3"))))
-    return {f"{kind}_{way}": _logs(work / f"{kind}_{way}" / "checkpoint-3")
+    return {f"{kind}_{way}": _logs(one_file_runs["work"] / f"{kind}_{way}" / "checkpoint-3")
             for kind in ("sft", "dpo") for way in ("launched", "imported")}
 
 
