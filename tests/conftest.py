@@ -3,7 +3,8 @@ that both ``tests/test_rank_failures.py`` and ``tests/test_exact_resume.py`` exa
 happens once however many of those modules are collected. And the compiles of the CUDA sources and of their torch
 binding (``tests/test_cuda_sources.py``), started in the background when collection ends, their tests run last. And
 the one launch of stock scripts given DeepSpeed configs that ``tests/test_deepspeed_training.py`` and
-``tests/test_deepspeed_checkpoint.py`` both examine."""
+``tests/test_deepspeed_checkpoint.py`` both examine; it and the other launch fixtures registered with
+``tests/background.py`` also start when collection ends."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import background
 from faults import FAULT_AT, SAVE_AT, faulty_run, run_spec
 
 
@@ -42,18 +44,11 @@ def killed_mid_save(resume_dir):
                                      kill={"rank": 1, "step": FAULT_AT, "where": "dcp_write"}))
 
 
-@pytest.fixture(scope="session")
-def deepspeed_config_runs(tmp_path_factory) -> Path:
-    """Stock scripts given DeepSpeed configs, under ``hf-zeropp launch`` with the stock 4-process YAML, one after the
-    other in one launch (``tests/launch_scripts/run_each.py``: one startup): the Trainer script and the Accelerate
-    script once per config of tests/fixtures/deepspeed/configs, each writing its record (``trainer.json``,
-    ``accelerate.json``); then the Trainer script resumed from DeepSpeed's own ZeRO-3 checkpoint-6 with its own
-    command line (``resumed/``). Returns the folder they wrote to."""
+@background.launches("deepspeed_config_runs")
+def _deepspeed_config_launch(work: Path) -> Path:
     from test_deepspeed_checkpoint import TRAINER
     from test_deepspeed_training import CONFIGS, RUNS
     from test_launch import SCRIPTS, STOCK_CPU, _hf_zeropp_launch
-
-    work = tmp_path_factory.mktemp("deepspeed_config_runs")
 
     def run(script: str, *args) -> str:
         return shlex.join([f"tests/launch_scripts/{script}.py", *map(str, args)])
@@ -65,11 +60,23 @@ def deepspeed_config_runs(tmp_path_factory) -> Path:
         "--config_file", str(STOCK_CPU), str(SCRIPTS / "run_each.py"),
         run("deepspeed_trainer", "--deepspeed_configs", *configs("trainer"), "--record", work / "trainer.json",
             "--output_dir", work / "trainer", *RUNS["trainer_arguments"]),
-        run("deepspeed_accelerate", "--deepspeed_configs", *configs("accelerate"), "--record", work / "accelerate.json"),
+        run("deepspeed_accelerate", "--deepspeed_configs", *configs("accelerate"),
+            "--record", work / "accelerate.json"),
         run("trainer_resumable", "--deepspeed", TRAINER / "ds_config.json",
             *json.loads((TRAINER / "arguments.json").read_text()), "--output_dir", work / "resumed",
             "--resume_from_checkpoint", TRAINER / "checkpoint-6"))
     return work
+
+
+@pytest.fixture(scope="session")
+def deepspeed_config_runs(tmp_path_factory) -> Path:
+    """Stock scripts given DeepSpeed configs, under ``hf-zeropp launch`` with the stock 4-process YAML, one after the
+    other in one launch (``tests/launch_scripts/run_each.py``: one startup; made in the background,
+    tests/background.py): the Trainer script and the Accelerate script once per config of
+    tests/fixtures/deepspeed/configs, each writing its record (``trainer.json``, ``accelerate.json``); then the
+    Trainer script resumed from DeepSpeed's own ZeRO-3 checkpoint-6 with its own command line (``resumed/``).
+    Returns the folder they wrote to."""
+    return background.result("deepspeed_config_runs", tmp_path_factory)
 
 
 # ---------------------------------------------------------------- compiles in the background
@@ -82,7 +89,6 @@ def deepspeed_config_runs(tmp_path_factory) -> Path:
 #
 # scripts/lowest_priority.sh, in a session of their own: plain nice in pytest's session is not the lowest priority
 # where Linux schedules by session.
-LOWEST_PRIORITY = ["sh", str(Path(__file__).resolve().parent.parent / "scripts" / "lowest_priority.sh")]
 NVCC = shutil.which("nvcc")
 GXX = shutil.which("g++")
 _NVCC_TEST = "test_cuda_sources.py::test_cu_files_compile_for_sm80_and_sm90"
@@ -157,12 +163,14 @@ def pytest_collection_finish(session):
             continue
         # a file: a pipe nobody reads could fill and stall; a session of its own, to kill it whole
         with open(folder / "output.txt", "w") as output:
-            job = subprocess.Popen([*LOWEST_PRIORITY, *command], stdout=output, stderr=subprocess.STDOUT,
+            job = subprocess.Popen([*background.LOWEST_PRIORITY, *command], stdout=output, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         _compiles[item.nodeid] = (job, folder)
+    background.start(session.items)
 
 
 def pytest_sessionfinish():
+    background.stop()
     for job, folder in _compiles.values():
         if job.poll() is None:  # the run stopped before its test: the compiler and the processes it started
             os.killpg(job.pid, signal.SIGKILL)

@@ -302,7 +302,8 @@ def _off_by(ours: list[float], theirs: list[float], tolerance: list[float]) -> f
 
 @pytest.fixture(scope="module")
 def launched(deepspeed_config_runs) -> dict[str, dict]:
-    return {path: json.loads((deepspeed_config_runs / f"{path}.json").read_text()) for path in ("trainer", "accelerate")}
+    return {path: json.loads((deepspeed_config_runs / f"{path}.json").read_text())
+            for path in ("trainer", "accelerate")}
 
 
 CASES = [(path, name) for path in ("trainer", "accelerate") for name in sorted(RUNS[path])]

@@ -14,10 +14,10 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 import torch
 import yaml
@@ -303,9 +303,8 @@ def _port() -> str:
 
 
 def _run(command: list[str], env: dict[str, str]) -> str:
-    full_env = {name: value for name, value in os.environ.items() if not name.startswith("ZEROPP_")}
-    result = subprocess.run(command, cwd=ROOT, env={**full_env, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
-                            text=True, timeout=300)
+    full_env = {name: value for name, value in background.environ().items() if not name.startswith("ZEROPP_")}
+    result = background.run(command, 300, cwd=ROOT, env={**full_env, "OMP_NUM_THREADS": "1", **env})
     output = result.stdout + result.stderr
     # stock scripts may abort as gloo finalizes after they finished (tests/test_launch.py, EXIT_ABORT); the results
     # are written before, and compared in full
@@ -314,13 +313,12 @@ def _run(command: list[str], env: dict[str, str]) -> str:
     return output
 
 
-@pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory) -> dict[str, dict]:
-    """The stock script three times on 4 CPU processes: stock ``accelerate launch`` with the FSDP YAML (FSDP2 applied
-    as Accelerate's plugin would), and ``hf-zeropp launch`` with the same YAML plus ``zeropp: zero3``, then plus
-    ``zeropp: zeropp`` on 2 emulated nodes x 2 ranks."""
-    work = tmp_path_factory.mktemp("fsdp")
+def _save_pretrained(work: Path) -> None:
     tiny_gpt2(0).save_pretrained(work / "pretrained")
+
+
+@background.launches("fsdp_runs", prepare=_save_pretrained)
+def _fsdp_launches(work: Path) -> dict[str, dict]:
     common = [str(SCRIPT), "--pretrained", str(work / "pretrained")]
     outputs = {"stock": _run([str(BIN / "accelerate"), "launch", "--config_file", _fsdp_yaml(work / "stock.yaml"),
                               "--main_process_port", _port(), *common, "--output", str(work / "stock")],
@@ -331,6 +329,14 @@ def fsdp_runs(tmp_path_factory) -> dict[str, dict]:
             env)
     return {name: {**torch.load(work / name / "results.pt", weights_only=False), "output": output}
             for name, output in outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> dict[str, dict]:
+    """The stock script three times on 4 CPU processes (made in the background, tests/background.py): stock
+    ``accelerate launch`` with the FSDP YAML (FSDP2 applied as Accelerate's plugin would), and ``hf-zeropp launch``
+    with the same YAML plus ``zeropp: zero3``, then plus ``zeropp: zeropp`` on 2 emulated nodes x 2 ranks."""
+    return background.result("fsdp_runs", tmp_path_factory)
 
 
 def _relative(actual: list[float], expected: list[float]) -> float:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 import torch
 
@@ -22,8 +21,8 @@ RUN_EACH = "tests/launch_scripts/run_each.py"  # a script once per argument stri
 
 
 def _launch(command: list[str], env: dict[str, str], timeout: int = 600) -> str:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **env}
-    result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    full_env = {**background.environ(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    result = background.run(command, timeout, cwd=ROOT, env=full_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout
 
@@ -46,16 +45,21 @@ PRESETS = ["zero1", "zero2", "zero3", "hybrid-q", "auto"]
 ZEROPP_YAML = "recipes/zeropp/zeropp.yaml"
 
 
-@pytest.fixture(scope="module")
-def accelerate_runs(tmp_path_factory) -> dict:
-    """One launch: a 5-step run per preset (auto first, on a machine nothing has been measured on yet), the 6-step
-    ZeRO++ run from a config file that saves its state after step 3, and the same command resuming from that state."""
-    work = tmp_path_factory.mktemp("accelerate")
+@background.launches("accelerate_runs")
+def _accelerate_launch(work: Path) -> dict:
     zeropp_state = f"--zeropp {ZEROPP_YAML} --steps 6 --output {work / 'zeropp_state'}"
     output = _accelerate(work, *(f"--zeropp {preset} --steps 5 --output {work / preset}"
                                  for preset in ["auto", *[p for p in PRESETS if p != "auto"]]),
                          f"{zeropp_state} --save-state-at 3", f"{zeropp_state} --resume")
     return {"work": work, "output": output}
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory) -> dict:
+    """One launch (made in the background, tests/background.py): a 5-step run per preset (auto first, on a machine
+    nothing has been measured on yet), the 6-step ZeRO++ run from a config file that saves its state after step 3,
+    and the same command resuming from that state."""
+    return background.result("accelerate_runs", tmp_path_factory)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -103,11 +107,8 @@ TRAIN_GPT = ("scripts/train_gpt.py recipes/gpt350m_pile/mini/zero3.yaml --zeropp
 LLAMA_ACCURATE = "recipes/experiments/llama_python_docs/zeropp_accurate.yaml"
 
 
-@pytest.fixture(scope="module")
-def gpt_runs(tmp_path_factory) -> Path:
-    """One launch: the mini recipe from the command line with ZeRO++, saving every 4 steps, the second accuracy
-    case's Llama recipe, the first command again, resuming from its checkpoint-4, and the LoRA RLHF recipe."""
-    work = tmp_path_factory.mktemp("train_gpt")
+@background.launches("gpt_runs")
+def _gpt_launch(work: Path) -> Path:
     grpo = (f"scripts/train_grpo.py recipes/lora_rlhf/mini.yaml --max_steps 3 --logging_steps 1 --output_dir "
             f"{work / 'grpo'}")
     grpo = [grpo] if importlib.util.find_spec("trl") else []  # TRL is optional
@@ -117,6 +118,14 @@ def gpt_runs(tmp_path_factory) -> Path:
               f"{TRAIN_GPT} --output_dir {work / 'resumed'} --resume_from_checkpoint {work / 'full' / 'checkpoint-4'}",
               *grpo)
     return work
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory) -> Path:
+    """One launch (made in the background, tests/background.py): the mini recipe from the command line with ZeRO++,
+    saving every 4 steps, the second accuracy case's Llama recipe, the first command again, resuming from its
+    checkpoint-4, and the LoRA RLHF recipe."""
+    return background.result("gpt_runs", tmp_path_factory)
 
 
 def test_trainer_from_the_command_line_logs_comm_and_resumes(gpt_runs):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 import torch
 import yaml
@@ -53,11 +54,11 @@ def _aborted_at_exit(output: str) -> bool:
 
 
 def _run(command: list[str], env: dict[str, str] | None = None, timeout: int = 300, stock: bool = False) -> str:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {**background.environ(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     for name in [n for n in full_env if n.startswith("ZEROPP_")]:
         if env is None or name not in env:
             del full_env[name]  # only what a test sets reaches the launch
-    result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    result = background.run(command, timeout, cwd=ROOT, env=full_env)
     output = result.stdout + result.stderr
     assert result.returncode == 0 or (stock and _aborted_at_exit(output)), _first_failure(output)
     return output
@@ -109,15 +110,19 @@ TRL_ARGS = ("--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--
             "--use_cpu", "--seed", "0", "--max_steps", "3", "--max_length", "32")
 
 
-@pytest.fixture(scope="module")
-def one_file_runs(tmp_path_factory) -> dict:
-    """The stock scripts under the launcher with the one-file YAML (ZeRO++, 2 emulated nodes x 2 ranks): the
-    Accelerate patterns in a launch of their own (rank 0's lines at exit are about its models alone), TRL's own SFT
-    script as the YAML says and its DPO script with ``--zeropp zero3`` on its command line (TRL's parser) one after
-    the other in one launch (tests/launch_scripts/run_each.py). Then all of them ported by hand (``from hf_zeropp
-    import ...``), each with its ``ZEROPP_*`` variables, in one stock ``accelerate launch``. TRL is optional: without
-    it only the Accelerate runs are made."""
-    work = tmp_path_factory.mktemp("one_file")
+def _trl_data(work: Path) -> None:
+    """TRL's scripts' base model and datasets, where TRL is installed."""
+    if importlib.util.find_spec("trl") is None:
+        return
+    save_tiny_gpt2_with_tokenizer(work / "base")
+    for kind, rows in (("sft", [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"} for i in range(32)]),
+                       ("dpo", [{"prompt": f"x{i} =", "chosen": f" {i * 7}", "rejected": " none"} for i in range(32)])):
+        (work / f"{kind}_data").mkdir()
+        (work / f"{kind}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@background.launches("one_file_runs", prepare=_trl_data)
+def _one_file_launches(work: Path) -> dict:
     output = _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(SCRIPTS / "accelerate_patterns.py"),
                                "--output", str(work / "launched"))
 
@@ -125,13 +130,7 @@ def one_file_runs(tmp_path_factory) -> dict:
         return shlex.join([f"ZEROPP_CONFIG={preset}", "ZEROPP_NODE_SIZE=2", str(SCRIPTS / script), *args])
 
     imported = [ported("zeropp", "accelerate_patterns_imported.py", "--output", str(work / "imported"))]
-    if importlib.util.find_spec("trl") is not None:
-        save_tiny_gpt2_with_tokenizer(work / "base")
-        for kind, rows in (("sft", [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n"} for i in range(32)]),
-                           ("dpo", [{"prompt": f"x{i} =", "chosen": f" {i * 7}", "rejected": " none"}
-                                    for i in range(32)])):
-            (work / f"{kind}_data").mkdir()
-            (work / f"{kind}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if (work / "base").is_dir():
 
         def data(kind: str, way: str) -> list[str]:
             return ["--dataset_name", str(work / f"{kind}_data"), "--output_dir", str(work / f"{kind}_{way}"),
@@ -144,6 +143,17 @@ def one_file_runs(tmp_path_factory) -> dict:
                      for kind, preset in (("sft", "zeropp"), ("dpo", "zero3"))]
     _stock_launch(str(SCRIPTS / "run_each.py"), *imported)
     return {"work": work, "output": output}
+
+
+@pytest.fixture(scope="module")
+def one_file_runs(tmp_path_factory) -> dict:
+    """The stock scripts under the launcher with the one-file YAML (ZeRO++, 2 emulated nodes x 2 ranks): the
+    Accelerate patterns in a launch of their own (rank 0's lines at exit are about its models alone), TRL's own SFT
+    script as the YAML says and its DPO script with ``--zeropp zero3`` on its command line (TRL's parser) one after
+    the other in one launch (tests/launch_scripts/run_each.py). Then all of them ported by hand (``from hf_zeropp
+    import ...``), each with its ``ZEROPP_*`` variables, in one stock ``accelerate launch``. TRL is optional: without
+    it only the Accelerate runs are made. Made in the background (tests/background.py)."""
+    return background.result("one_file_runs", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -216,11 +226,11 @@ def _launch_on_two_machines(*args: str) -> None:
         _run([sys.executable, "-m", "hf_zeropp.testing.emulated_cluster", "--nodes", "2", "--nproc-per-node", "2",
               "--link", "none", "--raw", "--", "sh", "-c", per_node, str(BIN / "hf-zeropp"), *options, *args])
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    machines = [subprocess.Popen([str(BIN / "hf-zeropp"), "launch", *options, "--machine_rank", str(rank),
+    env = {**background.environ(), "OMP_NUM_THREADS": "1"}
+    machines = [background.popen([str(BIN / "hf-zeropp"), "launch", *options, "--machine_rank", str(rank),
                                   "--main_process_ip", "127.0.0.1", *args], cwd=ROOT, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outputs = [machine.communicate(timeout=300)[0] for machine in machines]
+    outputs = [machine.communicate(timeout=background.timeout(300))[0] for machine in machines]
     assert all(m.returncode == 0 for m in machines), "\n".join(o[-4000:] for o in outputs)
 
 
@@ -234,13 +244,12 @@ def _save_scripts_model(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
-    work = tmp_path_factory.mktemp("trainer")
+@background.launches("trainer_runs", prepare=lambda work: _save_scripts_model(work / "pretrained"))
+def _trainer_launches(work: Path) -> dict[str, list[dict]]:
     script = str(SCRIPTS / "trainer_example.py")
     # stock loads, with from_pretrained, the very weights the script builds itself (seed 0) in the other runs: it
     # is the reference of all of them, and of the zero3 run, whose script loads them too
-    pretrained = _save_scripts_model(work / "pretrained")
+    pretrained = work / "pretrained"
     stock = _stock_launch(script, "--output_dir", str(work / "stock"), "--model_name_or_path", str(pretrained),
                           *TRAINER_ARGS)
     # the one-file YAML asks for zeropp; the launcher's --zeropp overrides it. With --load_in_slices the script's
@@ -265,6 +274,13 @@ def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
     names = ("stock", "zero3", "deepspeed", "accelerate_deepspeed", "two_machines", "fsdp")
     return {name: _logs(work / name) for name in names} | {"work": work, "fsdp_output": fsdp, "stock_output": stock,
                                                             "zero3_output": zero3}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """The Transformers-example script under stock ``accelerate launch`` and under the launcher in each way a user
+    asks for hf_zeropp (made in the background, tests/background.py)."""
+    return background.result("trainer_runs", tmp_path_factory)
 
 
 def test_trainer_script_with_zeropp_zero3_equals_stock_ddp(trainer_runs):

@@ -4,11 +4,11 @@
 
 Each string is one run's command line: the script (a path from the checkout's root; it runs as ``__main__``) or
 ``-m MODULE`` (run as ``python -m MODULE`` runs it), and its arguments (``sys.argv`` as the script sees it), after any
-``NAME=VALUE`` words, which set environment variables for that run only. Runs of the launch tests share one launch's startup (4 workers importing torch, Transformers,
-Accelerate and hf_zeropp, more than most of the runs themselves) instead of paying it once per run. Between runs
-Accelerate's process-wide state is reset, as separate launches would have it, and the process group is kept: the
-scripts' own ``end_training`` destroys it, and gloo cannot form a new one on the launcher's store under the same
-name. It is destroyed after the last run.
+``NAME=VALUE`` words, which set environment variables for that run only. Runs of the launch tests share one
+launch's startup (4 workers importing torch, Transformers, Accelerate and hf_zeropp, more than most of the runs
+themselves) instead of paying it once per run. Between runs Accelerate's process-wide state is reset, as separate
+launches would have it, and the process group is kept: the scripts' own ``end_training`` destroys it, and gloo
+cannot form a new one on the launcher's store under the same name. It is destroyed after the last run.
 """
 
 from __future__ import annotations
