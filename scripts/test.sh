@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), build the kernels once, run the whole test suite, then the minimum-versions lane
 # (scripts/test_min_versions.sh: the declared lowest torch/transformers/accelerate/peft/trl). `.ci/run` calls this.
-# pytest lists the 30 slowest tests at the end, to keep the suite's time (19 to 23 minutes on 2 cores) in view.
+# pytest lists the 30 slowest tests at the end, to keep the suite's time (about 19 minutes on 2 cores) in view.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
