@@ -4,13 +4,6 @@
 # pytest lists the 30 slowest tests at the end, to keep the suite's time (about 19 minutes on 2 cores) in view.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The lane's .venv-min is built (pip: downloads, unpacking) at the lowest CPU priority from the start: beside the main
-# set-up, whose pip leaves one core idle, then while the main suite runs. Its tests are only collected; they run
-# after the suite, when the lane's installs find everything in place.
-lane_log=$(mktemp)
-setsid -w sh scripts/lowest_priority.sh bash scripts/test_min_versions.sh --collect-only -q >"$lane_log" 2>&1 &
-lane_setup=$!
-trap 'kill "$lane_setup" ${kernels:+"$kernels"} 2>/dev/null || true' EXIT
 bash scripts/setup.sh
 # The kernels build (about 25 s where nothing is cached) while pytest collects and the first tests run; a test that
 # needs them first waits for that build on cpp_extension's lock in the build folder, as ranks starting together do.
@@ -18,6 +11,12 @@ kernel_log=$(mktemp)
 { .venv/bin/python -m hf_zeropp.kernels build || echo "kernel build failed (see above)"
   .venv/bin/python -m hf_zeropp.kernels check; } >"$kernel_log" 2>&1 &
 kernels=$!
+# The lane's .venv-min is built (pip: downloads, unpacking) at the lowest CPU priority while the main suite runs, with
+# the lane's tests only collected; they run after the suite, when the lane's installs find everything in place.
+lane_log=$(mktemp)
+setsid -w sh scripts/lowest_priority.sh bash scripts/test_min_versions.sh --collect-only -q >"$lane_log" 2>&1 &
+lane_setup=$!
+trap 'kill "$lane_setup" "$kernels" 2>/dev/null || true' EXIT
 .venv/bin/python -m pytest -q --durations=30 "$@"
 wait "$kernels" || { cat "$kernel_log"; echo "the kernels' check failed (see above)"; exit 1; }
 grep -v '^\[' "$kernel_log" || true  # what was built and the check's table, without the compiler's command lines
