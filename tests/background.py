@@ -77,16 +77,10 @@ def _run_in_background(launch: Callable[[Path], Any], folder: Path) -> Any:
     return launch(folder)
 
 
-def result(fixture: str, tmp_path_factory) -> Any:
-    """What ``fixture``'s launches returned: waits for the background, or launches now where collection did not
-    start them."""
-    if fixture in _started:
-        return _started[fixture][1].result()
-    prepare, launch = _fixtures[fixture]
-    folder = tmp_path_factory.mktemp(fixture)
-    if prepare is not None:
-        prepare(folder)
-    return launch(folder)
+def result(fixture: str) -> Any:
+    """What ``fixture``'s launches returned, once the background has made them (collection started every registered
+    fixture a collected test uses)."""
+    return _started[fixture][1].result()
 
 
 def stop() -> None:

@@ -69,14 +69,14 @@ def _deepspeed_config_launch(work: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def deepspeed_config_runs(tmp_path_factory) -> Path:
+def deepspeed_config_runs() -> Path:
     """Stock scripts given DeepSpeed configs, under ``hf-zeropp launch`` with the stock 4-process YAML, one after the
     other in one launch (``tests/launch_scripts/run_each.py``: one startup; made in the background,
     tests/background.py): the Trainer script and the Accelerate script once per config of
     tests/fixtures/deepspeed/configs, each writing its record (``trainer.json``, ``accelerate.json``); then the
     Trainer script resumed from DeepSpeed's own ZeRO-3 checkpoint-6 with its own command line (``resumed/``).
     Returns the folder they wrote to."""
-    return background.result("deepspeed_config_runs", tmp_path_factory)
+    return background.result("deepspeed_config_runs")
 
 
 # ---------------------------------------------------------------- compiles in the background

@@ -332,11 +332,11 @@ def _fsdp_launches(work: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory) -> dict[str, dict]:
+def fsdp_runs() -> dict[str, dict]:
     """The stock script three times on 4 CPU processes (made in the background, tests/background.py): stock
     ``accelerate launch`` with the FSDP YAML (FSDP2 applied as Accelerate's plugin would), and ``hf-zeropp launch``
     with the same YAML plus ``zeropp: zero3``, then plus ``zeropp: zeropp`` on 2 emulated nodes x 2 ranks."""
-    return background.result("fsdp_runs", tmp_path_factory)
+    return background.result("fsdp_runs")
 
 
 def _relative(actual: list[float], expected: list[float]) -> float:

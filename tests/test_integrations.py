@@ -45,7 +45,7 @@ PRESETS = ["zero1", "zero2", "zero3", "hybrid-q", "auto"]
 ZEROPP_YAML = "recipes/zeropp/zeropp.yaml"
 
 
-@background.launches("accelerate_runs")
+@background.launches("train_accelerate_runs")
 def _accelerate_launch(work: Path) -> dict:
     zeropp_state = f"--zeropp {ZEROPP_YAML} --steps 6 --output {work / 'zeropp_state'}"
     output = _accelerate(work, *(f"--zeropp {preset} --steps 5 --output {work / preset}"
@@ -55,22 +55,22 @@ def _accelerate_launch(work: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def accelerate_runs(tmp_path_factory) -> dict:
+def train_accelerate_runs() -> dict:
     """One launch (made in the background, tests/background.py): a 5-step run per preset (auto first, on a machine
     nothing has been measured on yet), the 6-step ZeRO++ run from a config file that saves its state after step 3,
     and the same command resuming from that state."""
-    return background.result("accelerate_runs", tmp_path_factory)
+    return background.result("train_accelerate_runs")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(accelerate_runs, preset):
+def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(train_accelerate_runs, preset):
     """auto probes the links at prepare, times the candidates it cannot tell apart on the first batch, and says once,
     on rank 0, which configuration it chose and why."""
-    folder = accelerate_runs["work"] / preset
+    folder = train_accelerate_runs["work"] / preset
     if preset == "auto":
         from hf_zeropp.auto import CANDIDATES
 
-        output = accelerate_runs["output"]  # only auto's run says what auto chose
+        output = train_accelerate_runs["output"]  # only auto's run says what auto chose
         choices = re.findall(r"^hf_zeropp auto: (.+?) \(timed on the first batch", output, re.MULTILINE)
         assert len(choices) == 1 and choices[0] in CANDIDATES, output[-3000:]
         assert "the trial took" in output and "links measured: intra-node" in output, output[-3000:]
@@ -82,8 +82,8 @@ def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(accelerate_runs
     GPT2LMHeadModel.from_pretrained(folder / "model")  # consolidated, loadable without hf_zeropp
 
 
-def test_accelerate_save_state_load_state_resumes_exactly_with_zeropp(accelerate_runs):
-    folder = accelerate_runs["work"] / "zeropp_state"
+def test_accelerate_save_state_load_state_resumes_exactly_with_zeropp(train_accelerate_runs):
+    folder = train_accelerate_runs["work"] / "zeropp_state"
     assert (folder / "state" / "zeropp_model_0" / "zeropp_meta.json").is_file()
     first = json.loads((folder / "metrics.json").read_text())
     resumed = json.loads((folder / "metrics_resumed.json").read_text())
@@ -121,11 +121,11 @@ def _gpt_launch(work: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt_runs(tmp_path_factory) -> Path:
+def gpt_runs() -> Path:
     """One launch (made in the background, tests/background.py): the mini recipe from the command line with ZeRO++,
     saving every 4 steps, the second accuracy case's Llama recipe, the first command again, resuming from its
     checkpoint-4, and the LoRA RLHF recipe."""
-    return background.result("gpt_runs", tmp_path_factory)
+    return background.result("gpt_runs")
 
 
 def test_trainer_from_the_command_line_logs_comm_and_resumes(gpt_runs):

@@ -146,14 +146,14 @@ def _one_file_launches(work: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_file_runs(tmp_path_factory) -> dict:
+def one_file_runs() -> dict:
     """The stock scripts under the launcher with the one-file YAML (ZeRO++, 2 emulated nodes x 2 ranks): the
     Accelerate patterns in a launch of their own (rank 0's lines at exit are about its models alone), TRL's own SFT
     script as the YAML says and its DPO script with ``--zeropp zero3`` on its command line (TRL's parser) one after
     the other in one launch (tests/launch_scripts/run_each.py). Then all of them ported by hand (``from hf_zeropp
     import ...``), each with its ``ZEROPP_*`` variables, in one stock ``accelerate launch``. TRL is optional: without
     it only the Accelerate runs are made. Made in the background (tests/background.py)."""
-    return background.result("one_file_runs", tmp_path_factory)
+    return background.result("one_file_runs")
 
 
 @pytest.fixture(scope="module")
@@ -277,10 +277,10 @@ def _trainer_launches(work: Path) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory) -> dict[str, list[dict]]:
+def trainer_runs() -> dict[str, list[dict]]:
     """The Transformers-example script under stock ``accelerate launch`` and under the launcher in each way a user
     asks for hf_zeropp (made in the background, tests/background.py)."""
-    return background.result("trainer_runs", tmp_path_factory)
+    return background.result("trainer_runs")
 
 
 def test_trainer_script_with_zeropp_zero3_equals_stock_ddp(trainer_runs):
