@@ -28,13 +28,15 @@ def _version(package: str) -> str:
 
 def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
     from . import __version__, kernels
+    from ._compat.tested_versions import LOCK, WATCHED, untested_line
     from .config import ZeroPPConfig
     from .topology import Topology
 
     print(f"hf_zeropp {__version__}, Python {platform.python_version()} on {platform.platform()}")
-    for package in ("torch", "transformers", "accelerate", "datasets", "safetensors", "peft", "trl"):
-        print(f"  {package:<13} {_version(package)}")
-    print(f"  CUDA          {torch.version.cuda or 'none'} (GPUs visible: {torch.cuda.device_count()})")
+    for package in WATCHED:
+        print(f"  {package:<15} {_version(package)}")
+    print(untested_line() or f"versions: none newer than the tested ones ({LOCK.name})")
+    print(f"  CUDA            {torch.version.cuda or 'none'} (GPUs visible: {torch.cuda.device_count()})")
     print("kernel backends:")
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         backend = kernels.active_backend(device)

@@ -52,6 +52,7 @@ import accelerate.utils.deepspeed
 import torch.distributed as dist
 from transformers import HfArgumentParser, PreTrainedModel, Trainer, TrainingArguments
 
+from ._compat.tested_versions import untested_line
 from .accelerate_integration import Accelerator
 from .config import ZeroPPConfig
 from .fsdp_settings import CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, FsdpSettings, remember, remembered
@@ -163,7 +164,7 @@ def _loading_in_slices(stock: classmethod) -> classmethod:
                      or not isinstance(name_or_path, (str, os.PathLike)))
         if by_itself or not (dist.is_available() and dist.is_initialized()):
             return load(cls, name_or_path, *args, **kwargs)  # placed by the script, or before the process group
-        return load_in_slices(functools.partial(load, cls), name_or_path, *args, **kwargs)
+        return load_in_slices(cls, functools.partial(load, cls), name_or_path, *args, **kwargs)
     return classmethod(from_pretrained)
 
 
@@ -269,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(describe(config, topology, load_in_slices, fsdp, os.environ.get(CONFIG_GIVEN_VARIABLE) or None),
               flush=True)
+        if untested_line() is not None:
+            print(f"hf_zeropp launch: {untested_line()}", flush=True)
         atexit.register(_print_bytes_at_exit)
     if argv[0] == "-m":
         sys.argv = argv[1:]

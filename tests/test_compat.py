@@ -340,7 +340,8 @@ def test_transformers_internals(tmp_path):
         config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1)
         LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-        on_meta = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", device_map="meta")
+        with torch.device("meta"):
+            on_meta = AutoModelForCausalLM.from_config(config)
         assert on_meta.model.rotary_emb.inv_freq.is_meta
         assert _compat.init_non_persistent_buffers(on_meta) == []
         expected = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").model.rotary_emb.inv_freq
@@ -421,6 +422,28 @@ def test_transformers_internals(tmp_path):
         assert set(TrainingArguments._VALID_DICT_FIELDS) < set(Args._VALID_DICT_FIELDS)
         args = Args(output_dir=str(tmp_path), zeropp='{"stage": 3}', report_to="none", use_cpu=True)
         assert args.zeropp == {"stage": 3}, f"transformers {transformers.__version__} did not parse it: {args.zeropp}"
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    stock = LlamaForCausalLM.from_pretrained(tmp_path / "bf16")
+    with entry("default_load_dtype_is_auto"):
+        assert stock.dtype == (torch.bfloat16 if _compat.default_load_dtype_is_auto() else torch.float32)
+
+    with entry("hub_kernels_by_default"):
+        assert getattr(stock, "use_kernels", False) == _compat.hub_kernels_by_default()
+
+    with entry("build_from_config"):
+        for model_class in (LlamaForCausalLM, AutoModelForCausalLM):
+            with torch.device("meta"):
+                empty = _compat.build_from_config(model_class, stock.config, dtype=torch.float16,
+                                                  attn_implementation="eager", trust_remote_code=None)
+            assert type(empty) is LlamaForCausalLM
+            assert {n: (p.shape, p.is_meta, p.dtype) for n, p in empty.state_dict().items()} == {
+                n: (p.shape, True, torch.float16) for n, p in stock.state_dict().items()}
+            assert empty.config._attn_implementation == "eager"
 
 
 # ---------------------------------------------------------------- accelerate

@@ -83,6 +83,15 @@ def test_every_rank_reads_exactly_the_checkpoints_tensors(tmp_path):
             assert "each rank reads its own slices" in str(result["loading"]), (key, result)
 
 
+def _empty(path: str):
+    """The model at ``path`` without memory, the way Accelerate documents it: its class from the config under the
+    meta device (``from_pretrained(device_map="meta")`` is refused since transformers 5.25)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
 def _frozen_both_ways(path: str) -> dict:
     """LoRA with frozen INT8 base weights: the stores read per rank against the stores quantized from rank 0's
     full copy (the placement rank 0 reaches when it alone loads)."""
@@ -99,8 +108,7 @@ def _frozen_both_ways(path: str) -> dict:
         if way == "per_rank":
             base = hf_zeropp.from_pretrained(AutoModelForCausalLM, path)
         else:
-            base = AutoModelForCausalLM.from_pretrained(path, **({} if dist.get_rank() == 0 else
-                                                                 {"device_map": "meta"}))
+            base = AutoModelForCausalLM.from_pretrained(path) if dist.get_rank() == 0 else _empty(path)
         model = get_peft_model(base, LoraConfig(**lora))
         hf_zeropp.shard_model(model, config)
         stores[way] = {name: (store.codes.clone(), store.scales.clone()) for name, store in frozen_stores(model).items()}

@@ -26,7 +26,8 @@ from .torch_api import (AllGather, ReduceScatter, apply_activation_checkpointing
                         hsdp_mesh_info, in_backward, keep_all_gathered, local_tensor, post_forward_mesh_info_override,
                         process_group_timeout, queue_backward_callback, set_post_forward_mesh_info, set_unshard_async_op,
                         threaded_process_groups, unshard_all)
-from .transformers_api import (TrainerHooks, extend_valid_dict_fields, init_non_persistent_buffers, no_split_modules,
+from .transformers_api import (TrainerHooks, build_from_config, default_load_dtype_is_auto, extend_valid_dict_fields,
+                               hub_kernels_by_default, init_non_persistent_buffers, no_split_modules,
                                run_init_with_hooks, trainer_accelerator_class, trainer_save)
 
 UPSTREAM: dict[str, str] = {**torch_api.UPSTREAM, **transformers_api.UPSTREAM, **accelerate_api.UPSTREAM}

@@ -1,5 +1,5 @@
 """transformers internals hf_zeropp reaches into: model-init hooks, the Trainer's private save/load/move methods and
-the Accelerator class it instantiates, TrainingArguments' dict fields (checked on transformers 4.56.1 - 5.23; TRL's
+the Accelerator class it instantiates, TrainingArguments' dict fields (checked on transformers 4.56.1 - 5.25; TRL's
 trainers reach hf_zeropp through the same Trainer hooks, which they inherit)."""
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ UPSTREAM: dict[str, str] = {
                     "._load_optimizer_and_scheduler, ._load_from_checkpoint, ._load_best_model",
     "trainer_save": "transformers.Trainer._save",
     "extend_valid_dict_fields": "transformers.TrainingArguments._VALID_DICT_FIELDS",
+    "build_from_config": "transformers.PreTrainedModel._from_config (AutoModel*.from_config for auto classes)",
+    "default_load_dtype_is_auto": "transformers.PreTrainedModel.from_pretrained's dtype default",
+    "hub_kernels_by_default": "transformers.integrations.hub_kernels._kernels_enabled (from_pretrained's "
+                              "use_kernels default)",
 }
 
 
@@ -141,3 +145,45 @@ def extend_valid_dict_fields(new_class: type, base_class: type, name: str) -> No
 
 
 __all__ = sorted(UPSTREAM)
+
+
+# checked: transformers 4.56.1 - 5.25 (5.x names the argument dtype, 4.x torch_dtype)
+def build_from_config(model_class: Any, config: Any, *, dtype: torch.dtype, attn_implementation: str | None,
+                      trust_remote_code: bool | None, **model_kwargs: Any) -> nn.Module:
+    """``model_class`` (a ``PreTrainedModel`` subclass or an ``AutoModel*`` class) built from ``config`` in
+    ``dtype``, as ``from_pretrained`` builds it before loading weights (under the caller's device context)."""
+    from transformers import PreTrainedModel
+
+    dtype_key = "dtype" if default_load_dtype_is_auto() else "torch_dtype"
+    options = {dtype_key: dtype, **model_kwargs}
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
+    if isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
+        return model_class._from_config(config, **options)
+    if trust_remote_code is not None:
+        options["trust_remote_code"] = trust_remote_code
+    return model_class.from_config(config, **options)
+
+
+# checked: transformers 4.56.1 - 5.25
+def default_load_dtype_is_auto() -> bool:
+    """Whether ``from_pretrained`` without ``dtype`` loads in the checkpoint's dtype (``"auto"``, transformers 5) or
+    in torch's default dtype (4.x)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).major >= 5
+
+
+# checked: transformers 4.56.1 - 5.25 (5.25 made _kernels_enabled a function and use_kernels default to it)
+def hub_kernels_by_default() -> bool:
+    """Whether ``from_pretrained`` kernelizes a model whose caller did not pass ``use_kernels``: since transformers
+    5.25 it does, unless ``USE_HUB_KERNELS`` says no; before, ``_kernels_enabled`` was a module flag that only
+    allowed an explicit ``use_kernels=True``."""
+    try:
+        from transformers.integrations import hub_kernels
+        from transformers.utils import is_kernels_available
+    except ImportError:
+        return False
+    enabled = getattr(hub_kernels, "_kernels_enabled", None)
+    return callable(enabled) and is_kernels_available() and bool(enabled())

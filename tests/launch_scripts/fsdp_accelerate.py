@@ -72,8 +72,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
     if not stock_fsdp:
         model, optimizer = accelerator.prepare(model, optimizer)
-    results["units"] = sorted({type(m).__name__.removeprefix("FSDP") for m in model.modules()
-                               if isinstance(m, FSDPModule) and m is not model})
+    # the class each unit shards: Accelerate 1.16 shards the CheckpointWrapper around a matched layer (same
+    # parameters; its hooks stay outside compiled code), so look through it
+    results["units"] = sorted({type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP")
+                               for m in model.modules() if isinstance(m, FSDPModule) and m is not model})
     results["loss"], results["grad_norm"] = [], []
     for step in range(STEPS):
         ids = batch(step, accelerator.process_index, model.config.vocab_size)
