@@ -1,0 +1,213 @@
+"""Parameters FSDP2 cannot shard (0-d: Accelerate's RegressionModel ``a``/``b``, CLIP's ``logit_scale``) are kept
+replicated and trained as DDP trains them (:mod:`hf_zeropp.replicated`): every preset against one process training on
+the same global batch (the loss the mean of the ranks' losses, as DDP averages gradients), fp32; their all-reduce in
+``comm_stats``; rank 0's values at sharding time; and every checkpoint format round-tripping them. A tiny SigLIP (its
+``logit_scale``/``logit_bias`` are 1-element vectors, which FSDP2 shards unevenly: one rank holds nothing) trains
+beside them."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_zeropp.testing.spawn import run_distributed
+from hf_zeropp.testing.tiny_models import full_parameters, relative_error
+
+KINDS = ("regression", "clip", "siglip")
+SCALARS = {"regression": ("a", "b"), "clip": ("logit_scale",), "siglip": ("logit_scale", "logit_bias")}
+STEPS, MICRO, LR, CLIP_AT = 3, 2, 1e-2, 1.0
+EXACT_MODES = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "hybrid": 4}  # mode -> world (4: 2 nodes x 2)
+QUANTIZED_MODES = {"zeropp": 4}
+NODE_SIZE = 2
+EXACT = 1e-6
+# ZeRO++ (INT8 weights, INT4 gradients) against stock, relative: each step's loss as tests/test_zeropp.py allows
+# (5 %), the whole model's weights as tests/test_conformance.py (15 %), and each replicated parameter's movement from
+# its initial value as the weights (its gradient comes from quantized activations)
+QUANTIZED = {"loss": 0.05, "weights": 0.15}
+
+
+def _build(kind: str, rank: int = 0):
+    """The model, seeded; rank 0's values are the reference's (the others' ``a`` differs: sharding gives every rank
+    rank 0's)."""
+    torch.manual_seed(0)
+    if kind == "regression":
+        from accelerate.test_utils.training import RegressionModel
+
+        model = RegressionModel(a=1.0 + rank, b=-0.5)
+        model.first_batch = False  # its first forward prints the dtypes
+        return model
+    from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
+
+    tokens = dict(vocab_size=64, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=8, **tokens)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    if kind == "clip":
+        return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
+    return SiglipModel(SiglipConfig(text_config=text, vision_config=vision))
+
+
+def _batch(kind: str, step: int, micro: int, rank: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + 100 * step + 10 * micro + rank)
+    if kind == "regression":
+        x = torch.randn(4, generator=generator)
+        return {"x": x, "y": 2 * x + 3 + 0.1 * torch.randn(4, generator=generator)}
+    return {"input_ids": torch.randint(2, 64, (3, 8), generator=generator),
+            "pixel_values": torch.randn(3, 3, 8, 8, generator=generator)}
+
+
+def _loss(kind: str, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if kind == "regression":
+        return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    return model(**batch, return_loss=True).loss
+
+
+def _scalars(kind: str, model) -> list[float]:
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    return [float((p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(()))
+            for p in (params[name] for name in SCALARS[kind])]
+
+
+def _optimizer(model) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, weight_decay=0.01)
+
+
+def _reference(kind: str, world: int) -> dict:
+    """Stock: one process, each micro-batch's loss the mean of the ranks' losses (DDP's averaged gradient), torch's
+    own clip_grad_norm_ and AdamW."""
+    model = _build(kind)
+    optimizer = _optimizer(model)
+    record = {"loss": [], "grad_norm": [], "scalars": []}
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            loss = torch.stack([_loss(kind, model, _batch(kind, step, micro, r)) for r in range(world)]).mean()
+            (loss / MICRO).backward()
+        record["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_AT)))
+        optimizer.step()
+        optimizer.zero_grad()
+        record["loss"].append(float(loss.detach()))
+        record["scalars"].append(_scalars(kind, model))
+    record["weights"] = full_parameters(model)
+    return record
+
+
+def _sharded(kind: str, mode: str):
+    import hf_zeropp
+
+    model = _build(kind, dist.get_rank())
+    return hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig.preset(mode, node_size=NODE_SIZE))
+
+
+def _train_ranks(mode: str) -> dict:
+    """Every kind under ``mode``: accumulation through no_sync, hf_zeropp's clip_grad_norm_, AdamW."""
+    import hf_zeropp
+    from hf_zeropp.runtime import clip_grad_norm_
+
+    out = {}
+    for kind in KINDS:
+        model = _sharded(kind, mode)
+        optimizer = _optimizer(model)
+        record = {"loss": [], "grad_norm": [], "scalars": []}
+        for step in range(STEPS):
+            for micro in range(MICRO):
+                last = micro == MICRO - 1
+                with contextlib.nullcontext() if last else hf_zeropp.no_sync(model):
+                    loss = _loss(kind, model, _batch(kind, step, micro, dist.get_rank()))
+                    (loss / MICRO).backward()
+            record["grad_norm"].append(float(clip_grad_norm_(model.parameters(), CLIP_AT)))
+            optimizer.step()
+            optimizer.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            record["loss"].append(float(mean) / dist.get_world_size())
+            record["scalars"].append(_scalars(kind, model))
+        record["weights"] = full_parameters(model)
+        record["stats"] = hf_zeropp.comm_stats(model)
+        out[kind] = record
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {(kind, world): _reference(kind, world) for kind in KINDS for world in {2, 4}}
+
+
+class _Runs(dict):
+    def __missing__(self, mode: str) -> list[dict]:
+        world = {**EXACT_MODES, **QUANTIZED_MODES}[mode]
+        self[mode] = result = run_distributed(_train_ranks, world, mode, node_size=NODE_SIZE)
+        return result
+
+
+@pytest.fixture(scope="module")
+def runs() -> _Runs:
+    return _Runs()
+
+
+def _close(actual: list[float], expected: list[float], rel: float) -> bool:
+    return len(actual) == len(expected) and all(abs(a - e) <= rel * abs(e) for a, e in zip(actual, expected))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", EXACT_MODES)
+def test_trains_as_stock(runs, references, mode, kind):
+    ours, stock = runs[mode][0][kind], references[(kind, EXACT_MODES[mode])]
+    assert stock["loss"][-1] < stock["loss"][0]  # it trains
+    assert _close(ours["loss"], stock["loss"], EXACT), (ours["loss"], stock["loss"])
+    assert _close(ours["grad_norm"], stock["grad_norm"], EXACT), (ours["grad_norm"], stock["grad_norm"])
+    for got, expected in zip(ours["scalars"], stock["scalars"]):
+        assert _close(got, expected, EXACT), (ours["scalars"], stock["scalars"])
+    assert stock["scalars"][-1] != stock["scalars"][0]  # the 0-d parameters moved
+    # the whole model, L2: 1e-5 as tests/test_engine.py (Adam turns reduction-order noise in near-zero gradients,
+    # k_proj's bias has only those, into whole updates: 3e-6 measured at this lr)
+    assert relative_error(*_flat(ours["weights"], stock["weights"])) <= 1e-5
+
+
+def _flat(ours: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    names = sorted(stock)
+    assert sorted(ours) == names
+    return torch.cat([ours[n].reshape(-1) for n in names]), torch.cat([stock[n].reshape(-1) for n in names])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zeropp_trains_as_stock_within_quantization_noise(runs, references, kind):
+    ours, stock = runs["zeropp"][0][kind], references[(kind, QUANTIZED_MODES["zeropp"])]
+    assert _close(ours["loss"], stock["loss"], QUANTIZED["loss"]), (ours["loss"], stock["loss"])
+    if kind == "regression":  # nothing is sharded, so nothing is quantized: exact
+        for got, expected in zip(ours["scalars"], stock["scalars"]):
+            assert _close(got, expected, EXACT), (ours["scalars"], stock["scalars"])
+    initial = _scalars(kind, _build(kind))
+    for got, expected in zip(ours["scalars"], stock["scalars"]):
+        moved = [value - start for value, start in zip(got, initial)]
+        assert _close(moved, [value - start for value, start in zip(expected, initial)], QUANTIZED["weights"]), (
+            ours["scalars"], stock["scalars"], initial)
+    assert relative_error(*_flat(ours["weights"], stock["weights"])) <= QUANTIZED["weights"]
+
+
+@pytest.mark.parametrize("mode", [*EXACT_MODES, *QUANTIZED_MODES])
+def test_comm_stats_count_the_all_reduce_and_name_the_parameters(runs, mode):
+    from hf_zeropp.replicated import KIND
+
+    world = {**EXACT_MODES, **QUANTIZED_MODES}[mode]
+    for rank_result in runs[mode]:
+        for kind, names in (("regression", ("a", "b")), ("clip", ("logit_scale",))):
+            stats = rank_result[kind]["stats"]
+            record = stats["implementations"]["replicated_parameters"]
+            assert record[0].startswith(f"{len(names)} parameters FSDP2 cannot shard"), record
+            assert all(f"{name} (0-d)" in record[0] for name in names), record
+            # a backward per micro-batch at stages 2-3; stages 0-1 skip it inside no_sync
+            calls = STEPS * (1 if mode in ("ddp", "zero1") else MICRO)
+            assert stats[KIND]["calls"] == calls, stats[KIND]
+            # fp32 values and one has-a-gradient flag per parameter; an all-reduce counts 2 / g of the buffer per
+            # peer: 1 peer on this rank's node (2 ranks per node), the others on the other node
+            buffer = 4 * 2 * len(names)
+            assert stats[KIND]["intra_node"] == calls * 2 * buffer * 1 // world, stats[KIND]
+            assert stats[KIND]["inter_node"] == calls * 2 * buffer * (world - 2) // world, stats[KIND]
+        assert "replicated_parameters" not in rank_result["siglip"]["stats"]["implementations"]
