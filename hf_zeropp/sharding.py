@@ -348,7 +348,9 @@ class ZeroPPModule:
         zeropp_state(self).replicated.sync = requires_gradient_sync  # the parameters FSDP2 does not manage follow
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if is_loading_full_state(self) or holds_dtensors(state_dict):
+        # torch's own loaders call this with DTensors, or, inside shard_model (rank 0's weights arriving), with the
+        # plain tensors of a model that has nothing sharded (all its parameters replicated)
+        if is_loading_full_state(self) or holds_dtensors(state_dict) or getattr(self, "_zeropp", None) is None:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         return load_full_state_dict(self, state_dict, strict, zeropp_state(self).topology.control_group)
 

@@ -211,3 +211,167 @@ def test_comm_stats_count_the_all_reduce_and_name_the_parameters(runs, mode):
             assert stats[KIND]["intra_node"] == calls * 2 * buffer * 1 // world, stats[KIND]
             assert stats[KIND]["inter_node"] == calls * 2 * buffer * (world - 2) // world, stats[KIND]
         assert "replicated_parameters" not in rank_result["siglip"]["stats"]["implementations"]
+
+
+# ---------------------------------------------------------------- checkpoints and placements
+
+
+def _moments(kind: str, model, optimizer) -> list[list[float]]:
+    """AdamW's exp_avg and exp_avg_sq of the replicated parameters."""
+    params = dict(model.named_parameters())
+    return [[float(optimizer.state[params[name]][key]) for key in ("exp_avg", "exp_avg_sq")]
+            for name in SCALARS[kind]]
+
+
+def _trained(kind: str, mode: str):
+    """The sharded model and its optimizer after two steps."""
+    model = _sharded(kind, mode)
+    optimizer = _optimizer(model)
+    for step in range(2):
+        _loss(kind, model, _batch(kind, step, 0, dist.get_rank())).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _fresh(kind: str, mode: str):
+    """A sharded model at its initial values (other than the trained ones) and an optimizer with no state."""
+    model = _sharded(kind, mode)
+    return model, _optimizer(model)
+
+
+def _checkpoints(mode: str, workdir: str) -> dict:
+    """Every format's save and load on the trained models: the replicated values (and AdamW's moments where the
+    format holds them) as each load restores them, next to the trained ones."""
+    from pathlib import Path
+
+    from transformers import CLIPModel
+
+    import hf_zeropp
+    from hf_zeropp.deepspeed_convert import convert_deepspeed_checkpoint, export_deepspeed_universal
+    from hf_zeropp.deepspeed_restore import load_deepspeed_checkpoint
+    from hf_zeropp.full_state import consolidated_state_dict
+    from hf_zeropp.materialize import attach_checkpoint
+
+    rank, out = dist.get_rank(), {}
+    for kind in ("regression", "clip"):
+        folder = Path(workdir) / mode / kind
+        model, optimizer = _trained(kind, mode)
+        record = out[kind] = {"initial": _scalars(kind, _build(kind)), "trained": _scalars(kind, model),
+                              "trained_moments": _moments(kind, model, optimizer)}
+
+        hf_zeropp.save_checkpoint(folder / "dcp", model, optimizer, step=2)  # sharded (DCP)
+        fresh, fresh_optimizer = _fresh(kind, mode)
+        hf_zeropp.load_checkpoint(folder / "dcp", fresh, fresh_optimizer)
+        record["dcp"] = _scalars(kind, fresh), _moments(kind, fresh, fresh_optimizer)
+
+        export_deepspeed_universal(folder / "dcp", folder / "deepspeed")  # DeepSpeed universal, and back
+        fresh, fresh_optimizer = _fresh(kind, mode)
+        load_deepspeed_checkpoint(folder / "deepspeed", fresh, fresh_optimizer)
+        record["deepspeed"] = _scalars(kind, fresh), _moments(kind, fresh, fresh_optimizer)
+        convert_deepspeed_checkpoint(folder / "deepspeed", folder / "from_deepspeed")
+        fresh, fresh_optimizer = _fresh(kind, mode)
+        hf_zeropp.load_checkpoint(folder / "from_deepspeed", fresh, fresh_optimizer)
+        record["from_deepspeed"] = _scalars(kind, fresh), _moments(kind, fresh, fresh_optimizer)
+
+        full = consolidated_state_dict(model)  # get_state_dict: rank 0 holds it; every rank loads full tensors
+        shared = [full]
+        dist.broadcast_object_list(shared, src=0)
+        record["full_state_dict"] = [float(shared[0][name]) for name in SCALARS[kind]]
+        fresh, _ = _fresh(kind, mode)
+        fresh.load_state_dict(shared[0])
+        record["load_state_dict"] = _scalars(kind, fresh)
+
+        hf_zeropp.save_pretrained(model, folder / "pretrained")  # per-rank safetensors (CLIP), or rank 0's file
+        if kind == "clip":  # each rank reads its slices of those files into a model built on the meta device
+            with torch.device("meta"):
+                empty = _build(kind)
+            attach_checkpoint(empty, folder / "pretrained")  # what from_pretrained attaches
+            record["read_in_slices"] = _scalars(kind, hf_zeropp.shard_model(empty, mode))
+        if kind == "clip" and rank == 0:
+            plain = CLIPModel.from_pretrained(folder / "pretrained")  # plain transformers, no hf_zeropp
+            record["pretrained"] = _scalars(kind, plain)
+        elif rank == 0:
+            saved = torch.load(folder / "pretrained" / "pytorch_model.bin", weights_only=True)
+            record["pretrained"] = [float(saved[name]) for name in SCALARS[kind]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> list[dict]:
+    return run_distributed(_checkpoints, 2, "zero3", str(tmp_path_factory.mktemp("checkpoints")))
+
+
+@pytest.mark.parametrize("kind", ["regression", "clip"])
+@pytest.mark.parametrize("path", ["dcp", "deepspeed", "from_deepspeed"])
+def test_sharded_and_deepspeed_checkpoints_restore_values_and_moments(checkpoints, kind, path):
+    for record in (rank_result[kind] for rank_result in checkpoints):
+        assert record["trained"] != record["initial"]
+        values, moments = record[path]
+        assert values == record["trained"], (path, values, record["trained"])
+        assert moments == record["trained_moments"], (path, moments, record["trained_moments"])
+
+
+@pytest.mark.parametrize("kind", ["regression", "clip"])
+def test_full_state_dict_and_pretrained_files_hold_them(checkpoints, kind):
+    trained = checkpoints[0][kind]["trained"]
+    assert checkpoints[0][kind]["full_state_dict"] == trained
+    assert checkpoints[0][kind]["pretrained"] == trained
+    for rank_result in checkpoints:
+        assert rank_result[kind]["load_state_dict"] == trained
+        if kind == "clip":
+            assert rank_result[kind]["read_in_slices"] == trained
+
+
+class _ScaledLinear(torch.nn.Module):
+    """A layer with a 0-d parameter its own ``reset_parameters`` sets (torch's init convention)."""
+
+    INIT = 0.25
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.constant_(self.scale, self.INIT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def _placements() -> dict:
+    """Sharding from rank 0's weights (the others on the meta device), and from the meta device on every rank (the
+    model's own init): the replicated values each rank ends with."""
+    import hf_zeropp
+
+    out = {}
+    for kind in ("regression", "clip"):
+        with torch.device("meta") if dist.get_rank() else contextlib.nullcontext():
+            model = _build(kind, dist.get_rank())
+        out[f"rank0-{kind}"] = _scalars(kind, hf_zeropp.shard_model(model, "zero3"))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _ScaledLinear()
+    out["meta-init"] = float(hf_zeropp.shard_model(model, "zero3").scale)
+    with torch.device("meta"):
+        model = _build("clip")  # only CLIPModel's constructor sets logit_scale, from the config; no init does
+    try:
+        hf_zeropp.shard_model(model, "zero3")
+    except RuntimeError as error:
+        out["meta-clip"] = str(error)
+    return out
+
+
+def test_every_rank_starts_from_rank_0s_values():
+    """Rank 0 real and the others on the meta device: rank 0's values everywhere (the others' ``a`` differs in
+    _build); on the meta device everywhere: the model's init (``reset_parameters``), or an error naming what no init
+    sets."""
+    results = run_distributed(_placements, 2)
+    for rank_result in results:
+        assert rank_result["rank0-regression"] == _scalars("regression", _build("regression"))
+        assert rank_result["rank0-clip"] == _scalars("clip", _build("clip"))
+        assert rank_result["meta-init"] == _ScaledLinear.INIT
+        assert "never initialised them" in rank_result["meta-clip"], rank_result["meta-clip"]
+        assert "['logit_scale']" in rank_result["meta-clip"], rank_result["meta-clip"]
