@@ -8,7 +8,6 @@ beside them."""
 from __future__ import annotations
 
 import contextlib
-import math
 
 import pytest
 import torch
@@ -21,10 +20,10 @@ KINDS = ("regression", "clip", "siglip")
 SCALARS = {"regression": ("a", "b"), "clip": ("logit_scale",), "siglip": ("logit_scale", "logit_bias")}
 STEPS, MICRO, LR, CLIP_AT = 3, 2, 1e-2, 1.0
 EXACT_MODES = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "hybrid": 4}  # mode -> world (4: 2 nodes x 2)
-QUANTIZED_MODES = {"zeropp": 4}
+QUANTIZED_MODES = {"zeropp": 4, "hybrid-q": 4}
 NODE_SIZE = 2
 EXACT = 1e-6
-# ZeRO++ (INT8 weights, INT4 gradients) against stock, relative: each step's loss as tests/test_zeropp.py allows
+# ZeRO++ (INT8 weights, INT4 gradients) and hybrid-q (INT4 cross-node gradients) against stock, relative: each step's loss as tests/test_zeropp.py allows
 # (5 %), the whole model's weights as tests/test_conformance.py (15 %), and each replicated parameter's movement from
 # its initial value as the weights (its gradient comes from quantized activations)
 QUANTIZED = {"loss": 0.05, "weights": 0.15}
@@ -177,8 +176,9 @@ def _flat(ours: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> tupl
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_zeropp_trains_as_stock_within_quantization_noise(runs, references, kind):
-    ours, stock = runs["zeropp"][0][kind], references[(kind, QUANTIZED_MODES["zeropp"])]
+@pytest.mark.parametrize("mode", QUANTIZED_MODES)
+def test_quantized_presets_train_as_stock_within_quantization_noise(runs, references, mode, kind):
+    ours, stock = runs[mode][0][kind], references[(kind, QUANTIZED_MODES[mode])]
     assert _close(ours["loss"], stock["loss"], QUANTIZED["loss"]), (ours["loss"], stock["loss"])
     if kind == "regression":  # nothing is sharded, so nothing is quantized: exact
         for got, expected in zip(ours["scalars"], stock["scalars"]):
@@ -357,10 +357,9 @@ def _placements() -> dict:
     out["meta-init"] = float(hf_zeropp.shard_model(model, "zero3").scale)
     with torch.device("meta"):
         model = _build("clip")  # only CLIPModel's constructor sets logit_scale, from the config; no init does
-    try:
+    with pytest.raises(RuntimeError) as refused:
         hf_zeropp.shard_model(model, "zero3")
-    except RuntimeError as error:
-        out["meta-clip"] = str(error)
+    out["meta-clip"] = str(refused.value)
     return out
 
 
