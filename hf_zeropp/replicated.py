@@ -83,18 +83,21 @@ class ReplicatedParameters:
         with torch.no_grad():
             for param in self.parameters(model):
                 dist.broadcast(param.data, src=0, group=group)
+                param.register_post_accumulate_grad_hook(functools.partial(self._queue, model))
         model.register_forward_hook(self._after_forward)
 
     def _after_forward(self, model: nn.Module, args: Any, output: Any) -> None:
-        """A backward through this forward's outputs ends with the all-reduce (queued once per backward, however
-        many forwards it goes through)."""
+        """A backward through this forward's outputs ends with the all-reduce, also on a rank where it gives these
+        parameters no gradient (every rank must join), and so does one that reaches them without an output (a
+        penalty on a parameter alone): queued once per backward, however many forwards it goes through."""
         if not torch.is_grad_enabled():
             return
+        self._queued = False  # not inside a backward: a backward that failed before its callbacks left it set
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._queue, model), mode="any")
 
-    def _queue(self, model: nn.Module, _grad: torch.Tensor | None) -> None:
+    def _queue(self, model: nn.Module, _: torch.Tensor | None) -> None:
         if not self._queued:
             self._queued = True
             queue_backward_callback(functools.partial(self._all_reduce, model))

@@ -337,8 +337,8 @@ class _ScaledLinear(torch.nn.Module):
     def reset_parameters(self) -> None:
         torch.nn.init.constant_(self.scale, self.INIT)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * self.scale
+    def forward(self, x: torch.Tensor, scaled: bool = True) -> torch.Tensor:
+        return self.linear(x) * self.scale if scaled else self.linear(x)
 
 
 def _placements() -> dict:
@@ -374,3 +374,34 @@ def test_every_rank_starts_from_rank_0s_values():
         assert rank_result["meta-init"] == _ScaledLinear.INIT
         assert "never initialised them" in rank_result["meta-clip"], rank_result["meta-clip"]
         assert "['logit_scale']" in rank_result["meta-clip"], rank_result["meta-clip"]
+
+
+def _unused_and_penalty_only() -> dict:
+    """Rank 1's forward leaves ``scale`` out (DDP's unused parameter); then a backward of a penalty on ``scale`` alone,
+    rank-dependent, with no forward: the gradients each backward leaves, and the all-reduces counted."""
+    import hf_zeropp
+    from hf_zeropp.replicated import KIND
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = hf_zeropp.shard_model(_ScaledLinear(), "zero3")
+    model(torch.ones(2, 4), scaled=rank == 0).sum().backward()
+    unused = float(model.scale.grad)
+    model.zero_grad()
+    ((rank + 1) * model.scale ** 2).backward()
+    penalty = float(model.scale.grad)
+    model.zero_grad()
+    with torch.no_grad():
+        full = float(model(torch.ones(2, 4), scaled=False).sum())  # d(sum(linear(x) * scale)) / d(scale), rank 0
+    return {"unused": unused, "penalty": penalty, "rank0_gradient": full,
+            "calls": hf_zeropp.comm_stats(model)[KIND]["calls"]}
+
+
+def test_a_parameter_one_rank_leaves_unused_and_a_penalty_alone_are_averaged():
+    """DDP's find_unused_parameters: an unused parameter contributes zero on that rank; a backward that reaches the
+    parameter without any forward output is averaged too. Both ranks get the same values."""
+    results = run_distributed(_unused_and_penalty_only, 2)
+    for rank_result in results:
+        assert rank_result["unused"] == pytest.approx(results[0]["rank0_gradient"] / 2, rel=EXACT)
+        assert rank_result["penalty"] == pytest.approx(2 * _ScaledLinear.INIT * (1 + 2) / 2, rel=EXACT)
+        assert rank_result["calls"] == 2
