@@ -1,16 +1,18 @@
 """Parameters FSDP2 cannot shard, kept whole on every rank and trained as DDP trains them.
 
 ``fully_shard`` refuses two kinds of parameter (torch 2.13): 0-d ones (``_verify_managed_param``: there is no dim
-to shard; Accelerate's ``RegressionModel`` has two, CLIP's and SigLIP's ``logit_scale`` is one) and non-contiguous
-ones (``FSDPParam``'s ``NotImplementedError``). DDP and DeepSpeed train such models, so :func:`hf_zeropp.shard_model`
+to shard; Accelerate's ``RegressionModel`` has two, CLIP's ``logit_scale`` is one, SigLIP's is a 1-element vector,
+which it shards) and non-contiguous ones (``FSDPParam``'s ``NotImplementedError``; any shape it takes otherwise, an
+empty one or one with fewer rows than ranks included). DDP and DeepSpeed train such models, so :func:`hf_zeropp.shard_model`
 does not fail on them: it passes them to every ``fully_shard`` call as ``ignored_params`` (FSDP2's own way to leave
 a parameter unmanaged) and this module gives them what FSDP2 gives the parameters it shards:
 
 * rank 0's value on every rank once the model is sharded (DDP broadcasts at construction; FSDP2 would not);
 * the gradient averaged over every rank (the data-parallel group, also under hybrid sharding, whose replicas span
-  nodes) by one all-reduce at the end of each backward that synchronises gradients: not inside
-  :func:`hf_zeropp.no_sync` at stages 0 and 1, every micro-batch at stages 2 and 3, as the sharded gradients'
-  reduction runs. A parameter with no gradient on some rank counts as zero there (DDP's ``find_unused_parameters``);
+  nodes) by one all-reduce at the end of each backward that synchronises gradients (an autograd callback queued by
+  the backward through the model's outputs or into the parameters themselves): not inside :func:`hf_zeropp.no_sync`
+  at stages 0 and 1, every micro-batch at stages 2 and 3, as the sharded gradients' reduction runs (averaging an
+  accumulated gradient again adds the new micro-batch's mean to the mean so far). A parameter with no gradient on some rank counts as zero there (DDP's ``find_unused_parameters``);
   one with a gradient on no rank keeps none. The sum travels in fp32 (or wider) and unquantized, whatever ZeRO++
   does with the sharded gradients: they are a few values;
 * its bytes in ``comm_stats()`` under ``replicated_grad_allreduce``, and one line in ``implementations`` naming the
@@ -19,7 +21,8 @@ a parameter unmanaged) and this module gives them what FSDP2 gives the parameter
 A replicated parameter stays a plain tensor: torch's state-dict API, DCP and hf_zeropp's writers treat a plain
 tensor as one every rank holds whole, and :func:`hf_zeropp.runtime.clip_grad_norm_` counts its (equal on every rank)
 gradient once. FSDP2's mixed precision does not cast it: it computes in its own dtype (a 0-d one scales activations
-without changing their dtype).
+without changing their dtype; a non-contiguous matrix would meet bf16 activations in fp32, so the warning says how
+to have it sharded instead).
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ class ReplicatedParameters:
     def _report(self) -> None:
         """Say once, on rank 0, which parameters stay replicated, and record it in ``comm_stats()``."""
         listed = ", ".join(f"{name} ({why})" for name, why in self.reasons.items())
-        line = (f"{len(self.reasons)} parameters FSDP2 cannot shard are replicated on every rank, their gradients "
-                f"all-reduced in full precision as DDP does: {listed}")
+        count = "1 parameter FSDP2 cannot shard is" if len(self.reasons) == 1 else \
+            f"{len(self.reasons)} parameters FSDP2 cannot shard are"
+        line = f"{count} replicated on every rank, gradients all-reduced in full precision as DDP does: {listed}"
         self.meter.conditions["replicated_parameters"] = line
         if self.topology.rank == 0:
-            warnings.warn(f"hf_zeropp: {line}. Each costs its full size on every rank (not sharded); a 1-D "
-                          f"parameter of the same values would be sharded", stacklevel=4)
+            warnings.warn(f"hf_zeropp: {line}. Each costs its full size on every rank and computes in its own "
+                          f"dtype; FSDP2 would shard (and cast) a 0-d parameter stored as a 1-element vector and a "
+                          f"non-contiguous one made contiguous (.contiguous())", stacklevel=4)
 
     def parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return [model.get_parameter(name) for name in self.reasons]

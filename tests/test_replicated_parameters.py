@@ -200,7 +200,7 @@ def test_comm_stats_count_the_all_reduce_and_name_the_parameters(runs, mode):
         for kind, names in (("regression", ("a", "b")), ("clip", ("logit_scale",))):
             stats = rank_result[kind]["stats"]
             record = stats["implementations"]["replicated_parameters"]
-            assert record[0].startswith(f"{len(names)} parameters FSDP2 cannot shard"), record
+            assert record[0].startswith(f"{len(names)} parameter{'s' * (len(names) > 1)} FSDP2 cannot shard"), record
             assert all(f"{name} (0-d)" in record[0] for name in names), record
             # a backward per micro-batch at stages 2-3; stages 0-1 skip it inside no_sync
             calls = STEPS * (1 if mode in ("ddp", "zero1") else MICRO)
@@ -393,15 +393,29 @@ def _unused_and_penalty_only() -> dict:
     model.zero_grad()
     with torch.no_grad():
         full = float(model(torch.ones(2, 4), scaled=False).sum())  # d(sum(linear(x) * scale)) / d(scale), rank 0
-    return {"unused": unused, "penalty": penalty, "rank0_gradient": full,
-            "calls": hf_zeropp.comm_stats(model)[KIND]["calls"]}
+    record = {"unused": unused, "penalty": penalty, "rank0_gradient": full,
+              "calls": hf_zeropp.comm_stats(model)[KIND]["calls"]}
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(6, 4)
+    layer.weight = torch.nn.Parameter(torch.randn(6, 4).t())  # a transposed view: fully_shard refuses it
+    hf_zeropp.shard_model(layer, "zero3")
+    layer(torch.full((1, 6), float(rank + 1))).sum().backward()  # d/dW: every row is the input
+    record["non_contiguous"] = (layer.weight.grad.tolist(), type(layer.bias).__name__,
+                                hf_zeropp.comm_stats(layer)["implementations"]["replicated_parameters"][0])
+    return record
 
 
 def test_a_parameter_one_rank_leaves_unused_and_a_penalty_alone_are_averaged():
     """DDP's find_unused_parameters: an unused parameter contributes zero on that rank; a backward that reaches the
-    parameter without any forward output is averaged too. Both ranks get the same values."""
+    parameter without any forward output is averaged too. Both ranks get the same values. A non-contiguous weight
+    (the other kind fully_shard refuses) is replicated and averaged the same way, its bias sharded."""
     results = run_distributed(_unused_and_penalty_only, 2)
     for rank_result in results:
         assert rank_result["unused"] == pytest.approx(results[0]["rank0_gradient"] / 2, rel=EXACT)
         assert rank_result["penalty"] == pytest.approx(2 * _ScaledLinear.INIT * (1 + 2) / 2, rel=EXACT)
         assert rank_result["calls"] == 2
+        gradient, bias, record = rank_result["non_contiguous"]
+        assert gradient == [[1.5] * 6] * 4  # the mean of the ranks' inputs, 1 and 2
+        assert bias == "DTensor", bias
+        assert record.startswith("1 parameter FSDP2 cannot shard is replicated") and record.endswith(
+            "weight (non-contiguous, stride (1, 4))"), record
