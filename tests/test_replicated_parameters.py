@@ -211,6 +211,8 @@ def test_comm_stats_count_the_all_reduce_and_name_the_parameters(runs, mode):
             assert stats[KIND]["intra_node"] == calls * 2 * buffer * 1 // world, stats[KIND]
             assert stats[KIND]["inter_node"] == calls * 2 * buffer * (world - 2) // world, stats[KIND]
         assert "replicated_parameters" not in rank_result["siglip"]["stats"]["implementations"]
+        # nothing of RegressionModel is sharded: no advice to split it into units
+        assert "fsdp_units" not in rank_result["regression"]["stats"]["implementations"]
 
 
 # ---------------------------------------------------------------- checkpoints and placements
