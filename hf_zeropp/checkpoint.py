@@ -39,6 +39,7 @@ from .deepspeed_checkpoint import is_deepspeed_checkpoint
 from .full_state import consolidated_state_dict
 from .hf_checkpoint import MAX_SHARD_SIZE, write_pretrained, writes_per_rank
 from .hpz import reshard_all
+from .sharding import ZeroPPModule
 
 META_FILE = "zeropp_meta.json"
 _RNG_DIR = "rng"
@@ -343,7 +344,8 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: An
     Every rank writes its own rows of the standard safetensors files
     (:func:`hf_zeropp.hf_checkpoint.write_pretrained`); no rank gathers the model. The folder loads without
     hf_zeropp installed. Other models (and arguments the per-rank writer does not take) are consolidated on rank 0
-    and written by the model's own ``save_pretrained``.
+    and written by the model's own ``save_pretrained``; a model without one (a plain ``nn.Module``) as
+    ``pytorch_model.bin``.
     """
     directory = Path(directory)
     zeropp = getattr(model, "_zeropp", None)
@@ -354,7 +356,9 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: An
     if per_rank:
         write_pretrained(model, partial, kwargs.get("max_shard_size", MAX_SHARD_SIZE), control_group)
     elif _rank() == 0:
-        if not hasattr(model, "save_pretrained"):
+        # every sharded model has ZeroPPModule's save_pretrained, which calls its own class's: ask that class
+        own = super(ZeroPPModule, model) if isinstance(model, ZeroPPModule) else model
+        if not hasattr(own, "save_pretrained"):
             torch.save(full_state, partial / "pytorch_model.bin")
         else:
             model.save_pretrained(partial, state_dict=full_state, safe_serialization=True, **kwargs)

@@ -37,6 +37,7 @@ from torch.futures import Future
 from .checkpoint import _apply_dcp_state, _dcp_state
 from .deepspeed_checkpoint import read_deepspeed_checkpoint
 from .deepspeed_files import DeepSpeedCheckpoint, DeepSpeedCheckpointError, ParameterState
+from .deepspeed_zero import STEP_KEY
 from .hpz import reshard_all
 
 # hyperparameter names DeepSpeed's own optimizers use for what torch's call otherwise
@@ -163,7 +164,9 @@ def _optimizer_sources(checkpoint: DeepSpeedCheckpoint, optim_state: dict[str, A
     kind = type(optimizer).__name__
     for name, state in optim_state["state"].items():
         entry = _entry(checkpoint, name, aliases)
-        wanted = {k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+        # per-element state has the parameter's shape: 0-d for a 0-d parameter, whose step is 0-d as well
+        wanted = {k for k, v in state.items()
+                  if torch.is_tensor(v) and (v.dim() > 0 or (not entry.shape and k != STEP_KEY))}
         if wanted != set(entry.state):
             raise DeepSpeedCheckpointError(
                 f"{name}: the DeepSpeed checkpoint ({entry.source}) holds optimizer state {sorted(entry.state)} per "

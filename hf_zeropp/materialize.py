@@ -308,6 +308,8 @@ def initialize_from_meta(model: nn.Module, allocated_buffers: list[tuple[nn.Modu
     cut: dict[int, int] = {}  # id(sharded parameter) -> version of its local shard when it was cut
     buffers = [(module, name, module._buffers[name], module._buffers[name]._version)
                for module, name in allocated_buffers]
+    # a parameter FSDP2 does not manage is written whole by the init: it must have been written
+    whole = {id(p): p._version for p in model.parameters() if not isinstance(p, DTensor)}
 
     def before(module: nn.Module) -> None:
         unit = owners[id(module)]
@@ -323,7 +325,8 @@ def initialize_from_meta(model: nn.Module, allocated_buffers: list[tuple[nn.Modu
         _run_own_init(model, before, after)
         after(model)  # transformers visits the root last; make sure it is cut whatever the init did
 
-    changed = [name for name, p in model.named_parameters() if _local(p)._version != cut.get(id(p))]
+    changed = [name for name, p in model.named_parameters()
+               if (p._version == whole[id(p)] if id(p) in whole else _local(p)._version != cut.get(id(p)))]
     if changed:
         raise RuntimeError(f"the model's init changed {changed[:3]} after their FSDP unit was initialised (an init "
                            f"of an outer module writes into an inner block's weights), or never initialised them; "
@@ -387,10 +390,13 @@ def _managed(unit: nn.Module, units: dict[int, nn.Module]) -> Iterator[tuple[nn.
 
 
 def _materialize(unit: nn.Module, units: dict[int, nn.Module], sharded_slots: dict[tuple[int, str], DTensor]) -> None:
-    """Swap the unit's sharded parameters for full, uninitialised ones (a shared parameter stays shared)."""
+    """Swap the unit's sharded parameters for full, uninitialised ones (a shared parameter stays shared). Those
+    FSDP2 left unmanaged (plain tensors, :mod:`hf_zeropp.replicated`) are whole already: the init writes them."""
     full: dict[int, nn.Parameter] = {}
     for module, name in list(_managed(unit, units)):
         sharded = module._parameters[name]
+        if not isinstance(sharded, DTensor):
+            continue
         if id(sharded) not in full:
             full[id(sharded)] = nn.Parameter(torch.empty(sharded.shape, dtype=sharded.dtype,
                                                          device=_local(sharded).device),

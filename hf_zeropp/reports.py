@@ -77,7 +77,8 @@ def _report_whole_model_as_one_unit(model: nn.Module, state: ZeroPPState, has_bl
     gather overlaps compute. The fix is one option, and the layer class is usually the element type of the model's
     largest ``nn.ModuleList``, so the message names it. comm_stats shows it under ``fsdp_units``."""
     config, topology = state.config, state.topology
-    if config.stage == 0 or has_blocks:
+    sharded = [name for name, _ in model.named_parameters() if name not in state.replicated.reasons]
+    if config.stage == 0 or has_blocks or not sharded:  # nothing sharded (RegressionModel): nothing to gather
         return
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     layer = type(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))[0]).__name__ if lists else None

@@ -117,10 +117,11 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         return local(t).numel() * local(t).element_size()
 
     # FSDP's world-sharded parameters: between a forward and its backward (or after a no-grad forward) a unit's
-    # registered parameters are its gathered or hpZ-sharded ones instead
+    # registered parameters are its gathered or hpZ-sharded ones instead; plus those FSDP2 left whole on every rank
     fsdp_params = [param for module in fsdp_modules(model) for group in fsdp_param_groups(module)
                    for param, _ in group_parameters(group)]
-    shards = fsdp_params if fsdp_params else list(model.parameters())
+    replicated = zeropp_state(model).replicated.parameters(model) if hasattr(model, "_zeropp") else []
+    shards = [*fsdp_params, *replicated] if fsdp_params or replicated else list(model.parameters())
     result = {
         "parameters": sum(size(t) for t in shards) + frozen_weight_bytes(model),
         "gradients": sum(size(t.grad) for t in shards if t.grad is not None),

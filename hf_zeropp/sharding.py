@@ -43,6 +43,7 @@ from .materialize import (RANK0, REAL, agree_on_placement, fill_shards, frozen_w
 from .optimizer_hooks import watch_parameters
 from .qgz import make_reduce_scatter
 from .qwz import make_all_gather
+from .replicated import ReplicatedParameters
 from .reports import report_what_will_not_run_as_asked
 from .state import ZeroPPState, attach, fsdp_modules, zeropp_state
 from .topology import Topology, get_topology
@@ -75,13 +76,16 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     meter = meter or CommMeter(topology)
     original_class, before = type(model), dict(model.named_parameters())
     placement, rank0_state = _place_weights(model, config, topology, device, meter)
-    units = _apply_fsdp_units(model, config, topology, device, frozen)
+    replicated = ReplicatedParameters(model, topology, meter)  # those fully_shard refuses (0-d): DDP's way
+    units = _apply_fsdp_units(model, config, topology, device, frozen, replicated.ignored)
     model.__class__ = _zeropp_class(type(model), original_class)
     fill_shards(model, placement, rank0_state, topology, device)
     del rank0_state  # rank 0's full copy goes now
+    replicated.start(model)
     _route_generation(model, config)
     watch_parameters(model, before)
-    state = ZeroPPState(config, topology, meter, units, hpz_enabled=topology.hpz_mesh is not None)
+    state = ZeroPPState(config, topology, meter, units, hpz_enabled=topology.hpz_mesh is not None,
+                        replicated=replicated)
     _install_comms(model, state)
     attach(model, state)
     report_what_will_not_run_as_asked(model, state, has_blocks)
@@ -176,9 +180,10 @@ def _make_replicas_equal(model: nn.Module, topology: Topology, device: torch.dev
 
 
 def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
-                      frozen: bool) -> list[nn.Module]:
+                      frozen: bool, ignored: set[nn.Parameter]) -> list[nn.Module]:
     """``fully_shard`` every unit and the root with the stage's resharding (hpZ: an integer, on the topology's one
-    hpZ mesh), activation checkpointing first if asked; returns the units below the root."""
+    hpZ mesh), activation checkpointing first if asked, leaving the ``ignored`` parameters to
+    :mod:`hf_zeropp.replicated`; returns the units below the root."""
     units = _units(model, config.wrap_modules)
     if config.activation_checkpointing:
         _enable_activation_checkpointing(model, units)
@@ -186,7 +191,8 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
                                      reduce_dtype=_DTYPES[config.reduce_dtype])
     if config.stage == 0:
         for unit in [*units, model]:
-            fully_shard(unit, mesh=topology.replicated_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+            fully_shard(unit, mesh=topology.replicated_mesh, reshard_after_forward=False, mp_policy=mp_policy,
+                        ignored_params=ignored)
         return units
     reshard: bool | int = config.stage == 3
     if config.stage == 3 and topology.hpz_size > 1:
@@ -196,12 +202,14 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if config.cpu_offload else OffloadPolicy()
     with shared_hpz_mesh(topology):
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload,
+                        ignored_params=ignored)
         # the root keeps its weights gathered from forward to backward, as stock FSDP2's root does: backward
         # starts with it, so resharding would only gather the same weights again (the tied embedding, mostly).
         # A frozen model has no backward: it would hold its root gathered from one forward to the next
         root_reshard = reshard if frozen else False
-        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy, offload_policy=offload)
+        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy, offload_policy=offload,
+                    ignored_params=ignored)
     if device.type == "cpu":
         _prefetch_gathers(model, units)
     return units
@@ -330,11 +338,19 @@ class ZeroPPModule:
       peft's ``load_adapter``) loads them into the shards; a sharded (DTensor) state dict loads as in FSDP2;
     * ``save_pretrained`` without a ``state_dict``, or with a sharded one, writes the consolidated model from rank 0,
       loadable by plain transformers, and returns on every rank once it is written. Only rank 0 writes, also when
-      given a full state dict: it alone holds the consolidated copy (``get_state_dict`` is empty elsewhere).
+      given a full state dict: it alone holds the consolidated copy (``get_state_dict`` is empty elsewhere);
+    * ``set_requires_gradient_sync`` (what :func:`hf_zeropp.no_sync` switches) also switches the gradient all-reduce
+      of the parameters FSDP2 leaves replicated (:mod:`hf_zeropp.replicated`).
     """
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        super().set_requires_gradient_sync(requires_gradient_sync, recurse=recurse)
+        zeropp_state(self).replicated.sync = requires_gradient_sync  # the parameters FSDP2 does not manage follow
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if is_loading_full_state(self) or holds_dtensors(state_dict):
+        # torch's own loaders call this with DTensors, or, inside shard_model (rank 0's weights arriving), with the
+        # plain tensors of a model that has nothing sharded (all its parameters replicated)
+        if is_loading_full_state(self) or holds_dtensors(state_dict) or getattr(self, "_zeropp", None) is None:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         return load_full_state_dict(self, state_dict, strict, zeropp_state(self).topology.control_group)
 

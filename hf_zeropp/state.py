@@ -27,6 +27,7 @@ class ZeroPPState:
     reduce_scatters: list = field(default_factory=list)
     cross_node_all_reduce: Any = None  # hybrid-q's quantized all-reduce (hybrid.QuantizedCrossNodeAllReduce)
     hpz_enabled: bool = False
+    replicated: Any = None  # the parameters FSDP2 cannot shard (replicated.ReplicatedParameters)
     inference_depth: int = 0  # open gathered_for_inference blocks
 
 

@@ -222,6 +222,7 @@ def test_torch_fsdp2_internals(one_rank_group):
     in_backward: list = []
     x = torch.randn(3, 4, requires_grad=True)
     x.register_hook(lambda grad: in_backward.append(_compat.in_backward()))
+    x.register_hook(lambda grad: _compat.queue_backward_callback(lambda: in_backward.append("after")))
     with entry("group_is_sharded"):
         assert _compat.group_is_sharded(block_group) and _compat.group_is_sharded(root_group)
     with entry("group_gathered_bytes"):
@@ -234,7 +235,9 @@ def test_torch_fsdp2_internals(one_rank_group):
         assert not _compat.group_is_sharded(block_group) and not _compat.group_is_sharded(root_group)
     with entry("in_backward"):
         loss.backward()
-        assert in_backward == [True], in_backward
+        assert in_backward[0] is True, in_backward
+    with entry("queue_backward_callback"):
+        assert in_backward == [True, "after"], in_backward  # run once the backward has finished
     with entry("set_post_forward_mesh_info"):
         for module in (block, model):
             module.reshard()

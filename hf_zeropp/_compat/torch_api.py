@@ -19,6 +19,7 @@ UPSTREAM: dict[str, str] = {
     "AllGather": "torch.distributed.fsdp._fully_shard._fsdp_api.AllGather",
     "ReduceScatter": "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",
     "in_backward": "torch._C._current_graph_task_id",
+    "queue_backward_callback": "torch.autograd.Variable._execution_engine.queue_callback",
     "hsdp_mesh_info": "torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo",
     "post_forward_mesh_info_override": "torch.distributed.fsdp._fully_shard._fully_shard._get_post_forward_mesh_info",
     "fsdp_param_groups": "FSDPModule._get_fsdp_state()._fsdp_param_groups",
