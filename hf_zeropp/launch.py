@@ -8,7 +8,8 @@ Accelerate's own parser), reads what is hf_zeropp's out of them, and starts ``ac
   Accelerate reads the file), else the Accelerate DeepSpeed settings (``distributed_type: DEEPSPEED`` with a
   ``deepspeed_config_file`` or ``zero_stage``; ``--use_deepspeed``), else ``ZEROPP_CONFIG`` / ``ZEROPP_*``. It is
   checked here against the launch (world size, ranks per node), then handed to the workers as JSON in
-  ``ZEROPP_CONFIG``;
+  ``ZEROPP_CONFIG`` (the DeepSpeed settings' config also as Accelerate's plugin would hold it:
+  :mod:`hf_zeropp.deepspeed_plugin`);
 - the Accelerate FSDP settings (``distributed_type: FSDP`` with its ``fsdp_config``; ``--use_fsdp`` and the
   ``--fsdp_*`` options) keep their meaning on top of that config (:mod:`hf_zeropp.fsdp_settings`: the wrap policy
   gives the units, the resharding the stage, and offload, activation checkpointing and CPU-RAM-efficient loading
@@ -40,6 +41,7 @@ from typing import Any
 import yaml
 
 from .config import ZeroPPConfig
+from .deepspeed_plugin import PLUGIN_VARIABLE
 from .deepspeed_training import check_batch_sizes
 from .failure_report import FRESH_STORE_VARIABLE
 from .fsdp_keys import PARALLELISM_CONFIG_REFUSED
@@ -118,9 +120,11 @@ def prepare(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
     config_file, settings = _accelerate_settings(args)
     fsdp = _fsdp_settings(args, settings)
     given = _config_named(args, settings)
-    value = _config_value(args, settings)
+    value, deepspeed = _config_value(args, settings)
     environment = {"ZEROPP_CONFIG": json.dumps(_resolve(value, args, settings, fsdp, given).to_dict()),
                    CONFIG_GIVEN_VARIABLE: given or ""}
+    if deepspeed is not None:  # what scripts written for Accelerate's DeepSpeed path read (accelerator.state)
+        environment[PLUGIN_VARIABLE] = json.dumps(deepspeed)
     if args.load_in_slices or (fsdp is not None and fsdp.load_in_slices):
         environment[LOAD_IN_SLICES] = "1"
     if fsdp is not None:
@@ -187,10 +191,11 @@ def _accelerate_settings(args: argparse.Namespace) -> tuple[Path | None, dict[st
     return path, settings
 
 
-def _config_value(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
+def _config_value(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
     """The hf_zeropp config as given: ``--zeropp``, the YAML's ``zeropp:``, the DeepSpeed settings, or None (the
-    environment). Removes hf_zeropp's and DeepSpeed's settings from ``args`` and ``settings``, and refuses a
-    ``distributed_type`` hf_zeropp cannot run under."""
+    environment); and the DeepSpeed config where it is the DeepSpeed settings' (else None). Removes hf_zeropp's and
+    DeepSpeed's settings from ``args`` and ``settings``, and refuses a ``distributed_type`` hf_zeropp cannot run
+    under."""
     from_yaml = settings.pop(CONFIG_KEY, None)
     deepspeed = _deepspeed_settings(args, settings)
     for flag, name in (("use_fsdp", "FSDP"), ("use_megatron_lm", "MEGATRON_LM"), ("tpu", "XLA")):
@@ -203,10 +208,10 @@ def _config_value(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
     for key in ("fsdp_config", "megatron_lm_config"):
         settings.pop(key, None)  # Accelerate ignores them outside FSDP / Megatron-LM
     if args.zeropp is not None:
-        return args.zeropp
+        return args.zeropp, None
     if from_yaml is not None and deepspeed is not None:
         raise LaunchError(f"the config file sets both `zeropp:` and DeepSpeed ({deepspeed!r}); keep one of them")
-    return from_yaml if from_yaml is not None else deepspeed
+    return (from_yaml, None) if from_yaml is not None else (deepspeed, deepspeed)
 
 
 def _deepspeed_settings(args: argparse.Namespace, settings: dict[str, Any]) -> Any:

@@ -24,6 +24,7 @@ import pytest
 import torch
 import yaml
 
+from hf_zeropp.deepspeed_plugin import PLUGIN_VARIABLE
 from hf_zeropp.launch import launch
 from hf_zeropp.testing import emulated_network
 from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
@@ -591,3 +592,5 @@ def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(
     assert mapped == ZeroPPConfig(stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
                                   deepspeed_training={key: DEEPSPEED_ZEROPP[key] for key in (
                                       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16")})
+    # the DeepSpeed config, as Accelerate's plugin makes it, for scripts that read accelerator.state.deepspeed_plugin
+    assert json.loads(environment[PLUGIN_VARIABLE]) == DEEPSPEED_ZEROPP
