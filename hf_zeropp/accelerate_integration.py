@@ -29,6 +29,7 @@ from .auto_trial import is_pending
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from .config import ZeroPPConfig
 from .deepspeed_checkpoint import is_deepspeed_checkpoint
+from .deepspeed_plugin import fill_plugin, launched_plugin, show_plugin
 from .deepspeed_restore import load_accelerator_state_from_deepspeed
 from .deepspeed_training import DeepSpeedLoop, fill_from_accelerator
 from .full_state import consolidated_state_dict
@@ -65,7 +66,9 @@ class Accelerator(accelerate.Accelerator):
                              "FullyShardedDataParallelPlugin made in the script; put its settings in the Accelerate "
                              "config's fsdp_config (hf-zeropp launch maps them) or pass zeropp= (wrap_modules, stage, "
                              "cpu_offload, activation_checkpointing), and drop fsdp_plugin=")
-        zeropp = _deepspeed_plugin_config(zeropp, kwargs)
+        zeropp, plugin = _deepspeed_plugin_config(zeropp, kwargs)
+        if plugin is None and zeropp is None:
+            plugin = launched_plugin()  # the config from the environment is the launch's DeepSpeed settings'
         config = ZeroPPConfig.coerce(zeropp, argument="zeropp")  # fail on a bad config before any process group work
         if not zeropp_runs_schedule:
             config.refuse_schedule("hf_zeropp.Accelerator")
@@ -94,6 +97,10 @@ class Accelerator(accelerate.Accelerator):
                     f"Accelerator(mixed_precision={self.mixed_precision!r}) disagrees with the hf_zeropp config's "
                     f"mixed_precision={config.mixed_precision!r}; set one of them"
                 )
+        # scripts written for DeepSpeed configs read them here (hf_zeropp.deepspeed_plugin says what is reported)
+        self._shown_deepspeed_plugin = plugin
+        if plugin is not None:
+            show_plugin(self, plugin)
         # a DeepSpeed config's training loop is applied here (optimizer, scheduler, clipping, accumulation, loss
         # scale); sharding gets the rest of the config
         self.deepspeed_sections = config.deepspeed_training
@@ -180,6 +187,8 @@ class Accelerator(accelerate.Accelerator):
             micro_batch_size=(max(sizes) // (self.num_processes if self.split_batches else 1)) if sizes else None,
             optimizer=optimizer, scheduler=scheduler)
         self.deepspeed_loop = loop
+        if self._shown_deepspeed_plugin is not None:
+            fill_plugin(self._shown_deepspeed_plugin, loop.sections)
         if loop.gradient_accumulation_steps != self.gradient_accumulation_steps:
             warnings.warn(f"Gradient accumulation steps mismatch: the Accelerator has "
                           f"{self.gradient_accumulation_steps}, the DeepSpeed config has "
@@ -337,10 +346,11 @@ class Accelerator(accelerate.Accelerator):
                 handle.remove()
 
 
-def _deepspeed_plugin_config(zeropp: Any, kwargs: dict[str, Any]) -> Any:
+def _deepspeed_plugin_config(zeropp: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """A script's ``deepspeed_plugin=DeepSpeedPlugin(...)`` (or a ``deepspeed_plugins`` dict of one) is taken out of
     ``kwargs``, and its DeepSpeed config becomes the hf_zeropp config, as it replaces the Accelerate config's under
-    DeepSpeed; with ``zeropp`` also given there would be two configs."""
+    DeepSpeed; with ``zeropp`` also given there would be two configs. Returns the config and the plugin (None
+    without one)."""
     plugins = kwargs.pop("deepspeed_plugins", None)
     plugin = kwargs.pop("deepspeed_plugin", None)
     if isinstance(plugins, dict):
@@ -351,7 +361,7 @@ def _deepspeed_plugin_config(zeropp: Any, kwargs: dict[str, Any]) -> Any:
     elif plugins is not None:
         plugin = plugins
     if plugin is None:
-        return zeropp
+        return zeropp, None
     if zeropp is not None:
         raise ValueError("both zeropp= and deepspeed_plugin= are given; hf_zeropp takes one config: drop one of them")
     config = dict(plugin.deepspeed_config)
@@ -365,7 +375,7 @@ def _deepspeed_plugin_config(zeropp: Any, kwargs: dict[str, Any]) -> Any:
             warnings.warn(f"the script's DeepSpeedPlugin replaces the launch's hf_zeropp config ({', '.join(changed)} "
                           f"differ), as a script's plugin replaces the Accelerate config's under DeepSpeed",
                           stacklevel=3)
-    return config
+    return config, plugin
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

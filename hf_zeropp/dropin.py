@@ -15,7 +15,8 @@ script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes the
   DeepSpeed (:func:`hf_zeropp.trainer.take_deepspeed_config`);
 - ``accelerate.utils.DummyOptim`` / ``DummyScheduler``, which Accelerate exports only when DeepSpeed is importable,
   are there for scripts written for DeepSpeed configs (hf_zeropp's Accelerator turns them into the config's
-  optimizer and scheduler);
+  optimizer and scheduler, and shows the launch's DeepSpeed config to the scripts that choose them by reading
+  ``accelerator.state.deepspeed_plugin``: :mod:`hf_zeropp.deepspeed_plugin`);
 - ``TrainingArguments(fsdp=..., fsdp_config=...)`` takes the FSDP settings as hf_zeropp options on top of the
   config instead of setting up Accelerate's FSDP plugin (:func:`hf_zeropp.trainer.take_fsdp_config`);
 - with ``--load_in_slices`` only (or FSDP settings with ``cpu_ram_efficient_loading``, from the launch or from

@@ -6,9 +6,10 @@ Accelerate's own parser), reads what is hf_zeropp's out of them, and starts ``ac
 
 - the ZeRO++ config: ``--zeropp VALUE``, else a top-level ``zeropp:`` key of the Accelerate YAML (removed before
   Accelerate reads the file), else the Accelerate DeepSpeed settings (``distributed_type: DEEPSPEED`` with a
-  ``deepspeed_config_file`` or ``zero_stage``; ``--use_deepspeed``), else ``ZEROPP_CONFIG`` / ``ZEROPP_*``. It is
-  checked here against the launch (world size, ranks per node), then handed to the workers as JSON in
-  ``ZEROPP_CONFIG``;
+  ``deepspeed_config_file`` or ``zero_stage``; ``--use_deepspeed``), else ``ZEROPP_CONFIG`` / ``ZEROPP_*``; a
+  Trainer script's own ``--deepspeed`` / ``--zeropp`` replaces it, as its Trainer will. It is checked here against
+  the launch (world size, ranks per node), then handed to the workers as JSON in ``ZEROPP_CONFIG`` (the DeepSpeed
+  settings' config also as Accelerate's plugin would hold it: :mod:`hf_zeropp.deepspeed_plugin`);
 - the Accelerate FSDP settings (``distributed_type: FSDP`` with its ``fsdp_config``; ``--use_fsdp`` and the
   ``--fsdp_*`` options) keep their meaning on top of that config (:mod:`hf_zeropp.fsdp_settings`: the wrap policy
   gives the units, the resharding the stage, and offload, activation checkpointing and CPU-RAM-efficient loading
@@ -40,6 +41,7 @@ from typing import Any
 import yaml
 
 from .config import ZeroPPConfig
+from .deepspeed_plugin import PLUGIN_VARIABLE
 from .deepspeed_training import check_batch_sizes
 from .failure_report import FRESH_STORE_VARIABLE
 from .fsdp_keys import PARALLELISM_CONFIG_REFUSED
@@ -118,14 +120,18 @@ def prepare(args: argparse.Namespace, scratch: Path) -> dict[str, str]:
     config_file, settings = _accelerate_settings(args)
     fsdp = _fsdp_settings(args, settings)
     given = _config_named(args, settings)
-    value = _config_value(args, settings)
-    environment = {"ZEROPP_CONFIG": json.dumps(_resolve(value, args, settings, fsdp, given).to_dict()),
-                   CONFIG_GIVEN_VARIABLE: given or ""}
+    value, deepspeed = _config_value(args, settings)
+    script = _script_config(args.training_script_args, fsdp)
+    if script is not None:  # its Trainer takes it in place of the launch's, as under stock Accelerate
+        given, value, deepspeed = f"the script's {' '.join(script)}", script[1], None
+    config = _resolve(value, args, settings, fsdp, given, script[0] if script is not None else None)
+    environment = {"ZEROPP_CONFIG": json.dumps(config.to_dict()), CONFIG_GIVEN_VARIABLE: given or ""}
+    if deepspeed is not None:  # what scripts written for Accelerate's DeepSpeed path read (accelerator.state)
+        environment[PLUGIN_VARIABLE] = json.dumps(deepspeed)
     if args.load_in_slices or (fsdp is not None and fsdp.load_in_slices):
         environment[LOAD_IN_SLICES] = "1"
     if fsdp is not None:
         environment[SETTINGS_VARIABLE] = fsdp.to_json()
-    _check_script_options(args.training_script_args)
     _check_script_fsdp(args.training_script_args)
     environment.update(_restart_environment(args, settings))
     if _runs_on_cpu(args, settings):
@@ -187,10 +193,11 @@ def _accelerate_settings(args: argparse.Namespace) -> tuple[Path | None, dict[st
     return path, settings
 
 
-def _config_value(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
+def _config_value(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
     """The hf_zeropp config as given: ``--zeropp``, the YAML's ``zeropp:``, the DeepSpeed settings, or None (the
-    environment). Removes hf_zeropp's and DeepSpeed's settings from ``args`` and ``settings``, and refuses a
-    ``distributed_type`` hf_zeropp cannot run under."""
+    environment); and the DeepSpeed config where it is the DeepSpeed settings' (else None). Removes hf_zeropp's and
+    DeepSpeed's settings from ``args`` and ``settings``, and refuses a ``distributed_type`` hf_zeropp cannot run
+    under."""
     from_yaml = settings.pop(CONFIG_KEY, None)
     deepspeed = _deepspeed_settings(args, settings)
     for flag, name in (("use_fsdp", "FSDP"), ("use_megatron_lm", "MEGATRON_LM"), ("tpu", "XLA")):
@@ -203,10 +210,10 @@ def _config_value(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
     for key in ("fsdp_config", "megatron_lm_config"):
         settings.pop(key, None)  # Accelerate ignores them outside FSDP / Megatron-LM
     if args.zeropp is not None:
-        return args.zeropp
+        return args.zeropp, None
     if from_yaml is not None and deepspeed is not None:
         raise LaunchError(f"the config file sets both `zeropp:` and DeepSpeed ({deepspeed!r}); keep one of them")
-    return from_yaml if from_yaml is not None else deepspeed
+    return (from_yaml, None) if from_yaml is not None else (deepspeed, deepspeed)
 
 
 def _deepspeed_settings(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
@@ -291,13 +298,16 @@ def _config_named(args: argparse.Namespace, settings: dict[str, Any]) -> str | N
 
 
 def _resolve(value: Any, args: argparse.Namespace, settings: dict[str, Any], fsdp: FsdpSettings | None = None,
-             given: str | None = None) -> ZeroPPConfig:
+             given: str | None = None, script_flag: str | None = None) -> ZeroPPConfig:
     """The config every worker will read (``value`` under the ``ZEROPP_*`` variables, with the FSDP settings on top
     where the launch has them; ``given`` says how the user named the config), checked against the launch's world
-    size and ranks per node when those are known here."""
+    size and ranks per node when those are known here. With ``script_flag`` the value is the script's own, which its
+    Trainer reads as it is (``ZeroPPConfig.coerce``: no ``ZEROPP_*`` option on top)."""
     with _config_errors_refused():
-        base = ZeroPPConfig.coerce(value, argument="zeropp")  # a preset, a file, a dict or JSON text
-        config = ZeroPPConfig.from_env({**os.environ, "ZEROPP_CONFIG": json.dumps(base.to_dict())})
+        # a preset, a file, a dict or JSON text
+        base = ZeroPPConfig.coerce(value, argument=f"the script's {script_flag}" if script_flag else "zeropp")
+        config = base if script_flag else ZeroPPConfig.from_env({**os.environ,
+                                                                 "ZEROPP_CONFIG": json.dumps(base.to_dict())})
         if fsdp is not None:
             config = fsdp.apply(config, given)
         processes = args.num_processes or settings.get("num_processes")
@@ -318,19 +328,34 @@ def _config_errors_refused() -> Iterator[None]:
         raise LaunchError(" ".join(str(error).split())) from None
 
 
-def _check_script_options(script_args: list[str]) -> None:
-    """``--zeropp`` / ``--deepspeed`` given to the script (the Trainer's flags) are checked now, as the Trainer will
-    read them, so that a bad one fails once here instead of on every worker."""
-    for flag in ("--zeropp", "--deepspeed"):
-        for index, arg in enumerate(script_args):
+def _script_config(script_args: list[str], fsdp: FsdpSettings | None) -> tuple[str, str] | None:
+    """The config the script's own ``--deepspeed`` / ``--zeropp`` (the Trainer's flags, ``--flag VALUE`` or
+    ``--flag=VALUE``) names, as ``(flag, value)``, or None: its Trainer trains with it in place of the launch's, so
+    it is the config the start line describes and the launch is checked against, here, once, instead of failing on
+    every worker. Refuses what the Trainer would (both flags) and a ``ZEROPP_*`` option or FSDP settings of the
+    launch, which that Trainer would silently not apply."""
+    named = []
+    for index, arg in enumerate(script_args):
+        for flag in ("--deepspeed", "--zeropp"):
             if arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
+                named.append((flag, arg.split("=", 1)[1]))
             elif arg == flag and index + 1 < len(script_args):
-                value = script_args[index + 1]
-            else:
-                continue
-            with _config_errors_refused():
-                ZeroPPConfig.coerce(value, argument=f"the script's {flag}")
+                named.append((flag, script_args[index + 1]))
+    if not named:
+        return None
+    if len({flag for flag, _ in named}) > 1:
+        raise LaunchError("the script is given both --deepspeed and --zeropp; its Trainer takes one config: drop "
+                          "--deepspeed, or pass the DeepSpeed file as --zeropp")
+    flag, value = named[-1]  # argparse keeps the last
+    if fsdp is not None:
+        raise LaunchError(f"the Accelerate config's FSDP settings and the script's {flag} {value} both configure the "
+                          f"sharding, and its Trainer would take only the script's; keep one of them")
+    options = sorted(name for name in os.environ if name.startswith("ZEROPP_")
+                     and name not in ("ZEROPP_CONFIG", "ZEROPP_NODE_SIZE"))
+    if options:
+        raise LaunchError(f"{', '.join(options)} set in the environment would not apply: the script's {flag} {value} "
+                          f"is the config its Trainer takes as it is; put the option in that config, or unset it")
+    return flag, value
 
 
 def _check_script_fsdp(script_args: list[str]) -> None:

@@ -15,11 +15,11 @@ ROOT = PACKAGE.parent
 
 LAYERS = [
     {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
-     "config_rules", "deepspeed_config", "deepspeed_optim", "deepspeed_training", "field_types", "fsdp_keys", "presets",
-     "_compat", "_compat.torch_api", "_compat.transformers_api", "_compat.accelerate_api", "_compat.tested_versions",
-     "hf_checkpoint", "skeleton",
-     "failure_report", "testing", "testing.corpus", "testing.spawn", "testing.tiny_models", "testing.payloads",
-     "testing.emulated_network", "testing.emulated_cluster", "testing.threaded_ranks"},
+     "config_rules", "deepspeed_config", "deepspeed_optim", "deepspeed_plugin", "deepspeed_training", "field_types",
+     "fsdp_keys", "presets", "_compat", "_compat.torch_api", "_compat.transformers_api", "_compat.accelerate_api",
+     "_compat.tested_versions", "hf_checkpoint", "skeleton", "failure_report", "testing", "testing.corpus",
+     "testing.spawn", "testing.tiny_models", "testing.payloads", "testing.emulated_network", "testing.emulated_cluster",
+     "testing.threaded_ranks"},
     {"deepspeed_files", "deepspeed_zero", "deepspeed_universal", "deepspeed_checkpoint"},
     {"config"},
     {"topology", "fsdp_settings"},

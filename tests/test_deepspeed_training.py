@@ -19,6 +19,7 @@ import os
 import warnings
 from pathlib import Path
 
+import background
 import pytest
 import torch
 
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "deepspeed"
 CONFIGS = FIXTURES / "configs"
 RUNS = json.loads((FIXTURES / "training_runs.json").read_text())
+EXAMPLE = json.loads((FIXTURES / "accelerate_example.json").read_text())
 FP32_FLOOR = 1e-6
 
 
@@ -345,6 +347,47 @@ def test_losses_and_gradient_norms_equal_deepspeeds_own_adam_within_the_distance
         assert off <= 0, (quantity, ours[quantity], reference["world4"][quantity])
 
 
+@background.launches("accelerate_example_run")
+def _accelerate_example_launch(work: Path) -> dict:
+    from test_launch import _hf_zeropp_launch
+
+    _hf_zeropp_launch("--config_file", str(FIXTURES / "accelerate_example" / "accelerate.yaml"), EXAMPLE["script"],
+                      *EXAMPLE["arguments"], "--record", str(work / "record.json"))
+    return json.loads((work / "record.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def accelerate_example_run() -> dict:
+    """Accelerate's own DeepSpeed example shape (tests/launch_scripts/accelerate_deepspeed_example.py) under
+    ``hf-zeropp launch`` with the Accelerate YAML DeepSpeed ran it with (distributed_type DEEPSPEED, a DeepSpeed config
+    file with optimizer and scheduler sections; made in the background, tests/background.py): its record."""
+    return background.result("accelerate_example_run")
+
+
+def test_accelerates_deepspeed_example_trains_with_the_configs_optimizer_and_schedule(accelerate_example_run):
+    """The script reads ``accelerator.state.deepspeed_plugin.deepspeed_config`` to choose ``DummyOptim`` /
+    ``DummyScheduler`` and its accumulation steps, as under DeepSpeed, while ``distributed_type`` is Accelerate's
+    MULTI_CPU (hf_zeropp.deepspeed_plugin says why). It then trains with the config's AdamW and WarmupCosineLR, its
+    "auto" filled from them as Accelerate fills it (total steps divided by the process count): the learning rate
+    DeepSpeed 0.19.8 applied at every step, and losses within fp32's floor (1e-6) of DeepSpeed run with torch's AdamW
+    (the kernel hf_zeropp steps), and within the distance between DeepSpeed's two Adam kernels of DeepSpeed with its
+    own (tests/fixtures/deepspeed/accelerate_example.json)."""
+    ours, deepspeed, torch_adam = accelerate_example_run, EXAMPLE["deepspeed_adam"], EXAMPLE["torch_adam"]
+    assert deepspeed["seen"]["distributed_type"] == "DEEPSPEED"
+    assert ours["seen"] == {**deepspeed["seen"], "distributed_type": "MULTI_CPU", "deepspeed": False}
+    assert ours["seen"]["optimizer_class"] == "DummyOptim" and ours["seen"]["scheduler_class"] == "DummyScheduler"
+    assert len(ours["applied_lr"]) == len(deepspeed["applied_lr"]) == 16
+    assert ours["applied_lr"] == pytest.approx(deepspeed["applied_lr"], rel=1e-12, abs=0)
+    assert deepspeed["applied_lr"][0] == 0.0 and deepspeed["applied_lr"][-1] == pytest.approx(1e-3)  # the schedule
+    assert max(deepspeed["applied_lr"]) > 9e-3  # warmed up to the script's 1e-2 and decayed by its cosine
+    for quantity in ("loss", "eval_loss"):
+        floor = [FP32_FLOOR * abs(value) for value in torch_adam[quantity]]
+        assert _off_by(ours[quantity], torch_adam[quantity], floor) <= 0, (quantity, ours[quantity])
+        kernels = _distance(deepspeed[quantity], torch_adam[quantity])
+        assert _off_by(ours[quantity], deepspeed[quantity], [kernels + f for f in floor]) <= 0, quantity
+    assert ours["loss"][-1] < ours["loss"][0] - 0.5
+
+
 # ---------------------------------------------------------------- offload
 
 
@@ -454,3 +497,21 @@ def test_training_runs_fixture_is_what_this_deepspeed_writes(tmp_path):
         for run, record in RUNS[path][name].items():
             for quantity, values in record.items():
                 assert live[path][name][run][quantity] == pytest.approx(values, rel=FP32_FLOOR), (path, name, run)
+
+
+@pytest.mark.deepspeed
+def test_accelerate_example_fixture_is_what_this_deepspeed_writes(tmp_path):
+    """DeepSpeed runs Accelerate's DeepSpeed example shape again (about 2 minutes on 2 cores): the committed fixture
+    is what it writes."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+    import sys
+
+    output = tmp_path / "accelerate_example.json"
+    subprocess.run([sys.executable, "-m", "scripts.deepspeed_reference.accelerate_example", "--output", str(output)],
+                   cwd=ROOT, check=True, capture_output=True)
+    live = json.loads(output.read_text())
+    for run in ("deepspeed_adam", "torch_adam"):
+        assert live[run]["seen"] == EXAMPLE[run]["seen"], run
+        for quantity in ("applied_lr", "loss", "eval_loss"):
+            assert live[run][quantity] == pytest.approx(EXAMPLE[run][quantity], rel=FP32_FLOOR), (run, quantity)

@@ -24,6 +24,7 @@ import pytest
 import torch
 import yaml
 
+from hf_zeropp.deepspeed_plugin import PLUGIN_VARIABLE
 from hf_zeropp.launch import launch
 from hf_zeropp.testing import emulated_network
 from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
@@ -259,20 +260,24 @@ def _trainer_launches(work: Path) -> dict[str, list[dict]]:
                               *TRAINER_ARGS)
     deepspeed = work / "ds_config.json"
     deepspeed.write_text(json.dumps(DEEPSPEED_ZEROPP))
-    # the two runs of the stock YAML share one launch (tests/launch_scripts/run_each.py): --deepspeed on 2 emulated
-    # nodes, then the FSDP flags
-    fsdp = _hf_zeropp_launch("--config_file", str(STOCK_CPU), str(SCRIPTS / "run_each.py"), shlex.join([
-        "ZEROPP_NODE_SIZE=2", script, "--output_dir", str(work / "deepspeed"), "--deepspeed", str(deepspeed),
-        *TRAINER_ARGS]), shlex.join([script, "--output_dir", str(work / "fsdp"), *TRAINER_ARGS, "--fsdp",
-                                     "full_shard auto_wrap", "--fsdp_config", json.dumps(TRAINER_FSDP_CONFIG)]))
+    # --deepspeed=FILE on 2 emulated nodes, in a launch of its own: the launcher reads the script's flag; then the
+    # FSDP flags
+    deepspeed_output = _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(
+        work / "deepspeed"), f"--deepspeed={deepspeed}", *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
+    fsdp = _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "fsdp"),
+                             *TRAINER_ARGS, "--fsdp", "full_shard auto_wrap", "--fsdp_config",
+                             json.dumps(TRAINER_FSDP_CONFIG))
     accelerate_deepspeed = _write_yaml(work / "deepspeed.yaml", distributed_type="DEEPSPEED", deepspeed_config={
         "deepspeed_config_file": str(deepspeed), "zero3_init_flag": True})
-    _hf_zeropp_launch("--config_file", accelerate_deepspeed, script, "--output_dir", str(work / "accelerate_deepspeed"),
-                      *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
+    accelerate_deepspeed_output = _hf_zeropp_launch(
+        "--config_file", accelerate_deepspeed, script, "--output_dir", str(work / "accelerate_deepspeed"),
+        *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
     # two machines of 2 ranks: the node size comes from the launch itself
     _launch_on_two_machines(script, "--output_dir", str(work / "two_machines"), "--zeropp", "zeropp", *TRAINER_ARGS)
     names = ("stock", "zero3", "deepspeed", "accelerate_deepspeed", "two_machines", "fsdp")
     return {name: _logs(work / name) for name in names} | {"work": work, "fsdp_output": fsdp, "stock_output": stock,
+                                                            "deepspeed_output": deepspeed_output,
+                                                            "accelerate_deepspeed_output": accelerate_deepspeed_output,
                                                             "zero3_output": zero3}
 
 
@@ -344,6 +349,19 @@ def test_trainer_deepspeed_flag_runs_zeropp_and_equals_zeropp_on_two_machines(tr
     assert first["zeropp/bwd_allgather_inter_node_bytes"] == 0 and first["zeropp/bwd_allgather_intra_node_bytes"] > 0
     assert first["zeropp/qgz_inter_inter_node_bytes"] > 0
     assert _close(_series(deepspeed, "loss"), _series(trainer_runs["stock"], "loss"), 0.02)
+
+
+def _start_line(output: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith("hf_zeropp launch: accelerate.Accelerator"))
+
+
+def test_the_start_line_describes_the_config_the_scripts_deepspeed_flag_gives_its_trainer(trainer_runs):
+    """``hf-zeropp launch ... script --deepspeed=ds.json``: the launcher reads the script's flag (the Trainer's) and
+    rank 0's start line describes the config the Trainer gets, ZeRO++'s three techniques included, word for word as
+    it does when the launch's Accelerate YAML names the same file."""
+    line = _start_line(trainer_runs["deepspeed_output"])
+    assert "; config: stage 3, qwZ int8, hpZ over 2 ranks, qgZ int4/int4; 2 node(s) x 2 ranks" in line, line
+    assert line == _start_line(trainer_runs["accelerate_deepspeed_output"])
 
 
 # ---------------------------------------------------------------- TRL's own scripts
@@ -501,6 +519,30 @@ def test_bad_input_is_one_line_before_any_worker_starts(tmp_path, capsys):
     assert "--max_restarts 1 needs --rdzv_backend c10d" in line
 
 
+def test_the_scripts_deepspeed_config_is_refused_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    """A config the script's ``--deepspeed`` gives its Trainer (both spellings) is checked against the launch here,
+    as a config the launch names is: DeepSpeed's batch-size rule at the launch's 4 ranks, the key named with the fix;
+    so is what the Trainer would refuse or silently not apply beside it."""
+    script = str(SCRIPTS / "trainer_example.py")
+    batch = _write_json(tmp_path / "batch.json", {**DEEPSPEED_ZEROPP, "train_batch_size": 64,
+                                                  "train_micro_batch_size_per_gpu": 2,
+                                                  "gradient_accumulation_steps": 1})
+    for flag in (["--deepspeed", str(batch)], [f"--deepspeed={batch}"]):
+        line = _refused(capsys, "--config_file", str(STOCK_CPU), script, "--output_dir", "x", *flag)
+        assert line.endswith("train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size "
+                             "64 != 2 * 1 * 4: set train_batch_size and train_micro_batch_size_per_gpu to \"auto\", "
+                             "or make them agree"), line
+    good = str(_write_json(tmp_path / "good.json", DEEPSPEED_ZEROPP))
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), script, "--zeropp", "zero3", "--deepspeed", good)
+    assert "the script is given both --deepspeed and --zeropp; its Trainer takes one config" in line
+    line = _refused(capsys, "--config_file", _write_yaml(tmp_path / "f.yaml", distributed_type="FSDP"), script,
+                    "--deepspeed", good)
+    assert f"the Accelerate config's FSDP settings and the script's --deepspeed {good} both configure" in line
+    monkeypatch.setenv("ZEROPP_STAGE", "2")
+    line = _refused(capsys, "--config_file", str(STOCK_CPU), script, "--deepspeed", good)
+    assert f"ZEROPP_STAGE set in the environment would not apply: the script's --deepspeed {good} is the config" in line
+
+
 def test_restarts_get_a_fresh_store_per_round_and_stock_torchrun_is_told_how(tmp_path):
     """The launcher asks torchrun for a fresh rendezvous store per round when workers may restart; a worker under
     stock torchrun that may restart without one names the fix (a restarted worker would read stale addresses)."""
@@ -591,3 +633,11 @@ def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(
     assert mapped == ZeroPPConfig(stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
                                   deepspeed_training={key: DEEPSPEED_ZEROPP[key] for key in (
                                       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16")})
+    # the DeepSpeed config, as Accelerate's plugin makes it, for scripts that read accelerator.state.deepspeed_plugin
+    assert json.loads(environment[PLUGIN_VARIABLE]) == DEEPSPEED_ZEROPP
+
+    # the script's own --deepspeed replaces the YAML's zeropp:, as its Trainer will: the workers describe that one
+    args = parser().parse_args(["--config_file", config_file, script, "--deepspeed", str(deepspeed)])
+    environment = prepare(args, tmp_path)
+    assert ZeroPPConfig.from_dict(json.loads(environment["ZEROPP_CONFIG"])) == ZeroPPConfig.coerce(str(deepspeed))
+    assert PLUGIN_VARIABLE not in environment  # the Trainer's accelerator shows no plugin
