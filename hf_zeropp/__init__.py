@@ -1,9 +1,9 @@
 """hf_zeropp: ZeRO stage 1-3 sharding and the ZeRO++ communication optimizations (qwZ, hpZ, qgZ) on torch FSDP2,
 for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSpeed.
 
-The public names are imported on first use (PEP 562): ``hf-zeropp launch``, ``python -m hf_zeropp.integrations.dropin`` and any
-``import hf_zeropp.<module>`` load only what they need, instead of the Trainer, Accelerate and DeepSpeed-checkpoint
-modules every time (about 3 s of a launcher's start)."""
+The public names are imported on first use (PEP 562): ``hf-zeropp launch``, ``python -m hf_zeropp.integrations.dropin``
+and any ``import hf_zeropp.<module>`` load only what they need, instead of the Trainer, Accelerate and
+DeepSpeed-checkpoint modules every time (about 3 s of a launcher's start)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@
 - ``hf-zeropp env [--zeropp CONFIG] [--world N --node-size D]``: versions, kernel backends, the config and the
   topology this launch would get — everything a bug report needs, without starting any process group.
 - ``hf-zeropp from-deepspeed SOURCE OUTPUT`` / ``hf-zeropp to-deepspeed SOURCE OUTPUT``: a DeepSpeed checkpoint into
-  an hf_zeropp one, and an hf_zeropp checkpoint into DeepSpeed's universal format (:mod:`hf_zeropp.checkpoint.deepspeed_convert`).
+  an hf_zeropp one, and an hf_zeropp checkpoint into DeepSpeed's universal format
+  (:mod:`hf_zeropp.checkpoint.deepspeed_convert`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""``zeropp: auto``'s trial (:mod:`hf_zeropp.engine.auto_trial`): the first batch timed under every candidate the prediction
-cannot separate, then training bit for bit as the winner's preset from the start (dropout on, gradient accumulation,
-an optimizer built before the sharding), in a bare script, the Trainer and an Accelerate loop; the same choice on
-every rank; the trial's times and cost in comm_stats; the candidates ruled out without timing; and the trial skipped,
-with a warning and the reason, where the first forward has no gradients."""
+"""``zeropp: auto``'s trial (:mod:`hf_zeropp.engine.auto_trial`): the first batch timed under every candidate the
+prediction cannot separate, then training bit for bit as the winner's preset from the start (dropout on, gradient
+accumulation, an optimizer built before the sharding), in a bare script, the Trainer and an Accelerate loop; the same
+choice on every rank; the trial's times and cost in comm_stats; the candidates ruled out without timing; and the trial
+skipped, with a warning and the reason, where the first forward has no gradients."""
 
 from __future__ import annotations
 

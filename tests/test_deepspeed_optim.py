@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zeropp.interop.deepspeed.optim import (SCHEDULERS, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR,
-                                       build_optimizer, build_scheduler, check_optimizer, check_scheduler)
+from hf_zeropp.interop.deepspeed.optim import (SCHEDULERS, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR,
+                                               WarmupLR, build_optimizer, build_scheduler, check_optimizer,
+                                               check_scheduler)
 from scripts.deepspeed_reference.schedules import PARAM_STEPS, STEPS, hyperparameters, param_groups, record, tiny_model
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "deepspeed" / "optim_schedules.json").read_text())

@@ -555,8 +555,8 @@ def test_import_installs_nothing_and_uninstall_restores_stock():
 
 def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(tmp_path):
     """What reaches Accelerate and the workers: the YAML without ``zeropp:`` and DeepSpeed, MULTI_GPU with
-    ``ACCELERATE_USE_CPU`` on a machine without GPUs, ``python -m hf_zeropp.integrations.dropin SCRIPT ARGS``, and the config as
-    JSON with ``--zeropp`` over the YAML."""
+    ``ACCELERATE_USE_CPU`` on a machine without GPUs, ``python -m hf_zeropp.integrations.dropin SCRIPT ARGS``, and the
+    config as JSON with ``--zeropp`` over the YAML."""
     from hf_zeropp import ZeroPPConfig
     from hf_zeropp.integrations.launch import parser, prepare
 

@@ -1,6 +1,6 @@
 """Parameters FSDP2 cannot shard (0-d: Accelerate's RegressionModel ``a``/``b``, CLIP's ``logit_scale``) are kept
-replicated and trained as DDP trains them (:mod:`hf_zeropp.comm.replicated`): every preset against one process training on
-the same global batch (the loss the mean of the ranks' losses, as DDP averages gradients), fp32; their all-reduce in
+replicated and trained as DDP trains them (:mod:`hf_zeropp.comm.replicated`): every preset against one process training
+on the same global batch (the loss the mean of the ranks' losses, as DDP averages gradients), fp32; their all-reduce in
 ``comm_stats``; rank 0's values at sharding time; and every checkpoint format round-tripping them. A tiny SigLIP (its
 ``logit_scale``/``logit_bias`` are 1-element vectors, which FSDP2 shards unevenly: one rank holds nothing) trains
 beside them."""

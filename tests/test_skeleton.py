@@ -1,6 +1,7 @@
-"""The empty model ``hf_zeropp.from_pretrained`` shards (hf_zeropp/engine/skeleton.py) against stock ``from_pretrained``:
-the same tensor names, shapes and dtypes, mode, generation config and Hub-kernel state, for every way the dtype is
-chosen; and a model kernelized by transformers' default trains sharded exactly as stock DDP trains it."""
+"""The empty model ``hf_zeropp.from_pretrained`` shards (hf_zeropp/engine/skeleton.py) against stock
+``from_pretrained``: the same tensor names, shapes and dtypes, mode, generation config and Hub-kernel state, for every
+way the dtype is chosen; and a model kernelized by transformers' default trains sharded exactly as stock DDP trains
+it."""
 
 from __future__ import annotations
 

@@ -94,8 +94,8 @@ def deepspeed_full_state(checkpoint: DeepSpeedCheckpoint) -> tuple[dict, dict, l
 
 def _optimizer_defaults(checkpoint: DeepSpeedCheckpoint) -> dict[str, Any]:
     """The hyperparameters hf_zeropp's optimizer keeps for the DeepSpeed config's ``optimizer`` section (the torch
-    optimizer :func:`hf_zeropp.interop.deepspeed.optim.build_optimizer` makes of it): DeepSpeed's own optimizers keep fewer
-    (FusedAdam holds AdamW's decoupled decay as an attribute), and a converted checkpoint must hold every key the
+    optimizer :func:`hf_zeropp.interop.deepspeed.optim.build_optimizer` makes of it): DeepSpeed's own optimizers keep
+    fewer (FusedAdam holds AdamW's decoupled decay as an attribute), and a converted checkpoint must hold every key the
     resuming optimizer loads. None needed for a torch optimizer the script built: its groups hold them all."""
     section = (checkpoint.model_states.get("ds_config") or {}).get("optimizer")
     if not section:

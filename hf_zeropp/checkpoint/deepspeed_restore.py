@@ -207,8 +207,8 @@ def _group_hyperparameters(checkpoint: DeepSpeedCheckpoint, param_groups: list[d
 def _check_scheduler(scheduler: Any, state: dict[str, Any] | None, where: str) -> None:
     """The saved scheduler state must fit ``scheduler``: a torch scheduler's state into one of the same kind, or
     DeepSpeed's own (``{"last_batch_iteration": k}``) into one that keeps DeepSpeed's (the schedulers
-    :mod:`hf_zeropp.interop.deepspeed.optim` builds from a DeepSpeed config's scheduler section). Anything else would leave
-    the schedule at its start, or crash half-loaded, so it is an error before anything is loaded."""
+    :mod:`hf_zeropp.interop.deepspeed.optim` builds from a DeepSpeed config's scheduler section). Anything else would
+    leave the schedule at its start, or crash half-loaded, so it is an error before anything is loaded."""
     kind = type(scheduler).__name__
     if state is None:
         raise DeepSpeedCheckpointError(f"{where} holds no LR scheduler state, but a {kind} was given: resuming it "
@@ -264,8 +264,9 @@ def load_deepspeed_checkpoint(path: str | Path, model: nn.Module, optimizer: Any
 
 def _restore_loss_scale(checkpoint: DeepSpeedCheckpoint, grad_scaler: Any) -> None:
     """DeepSpeed's dynamic fp16 loss scale into the run's grad scaler: all of it into the scaler that follows
-    DeepSpeed's rule (:class:`hf_zeropp.interop.deepspeed.training.DeepSpeedLossScaler`: scale, iteration, last overflow,
-    hysteresis); into torch's scaler the scale and the clean steps since the last overflow, its growth counter."""
+    DeepSpeed's rule (:class:`hf_zeropp.interop.deepspeed.training.DeepSpeedLossScaler`: scale, iteration, last
+    overflow, hysteresis); into torch's scaler the scale and the clean steps since the last overflow, its growth
+    counter."""
     saved = checkpoint.loss_scaler or {}
     if not saved.get("dynamic"):
         return  # a static scale (or none, in fp32/bf16) comes from the run's config, not from the checkpoint

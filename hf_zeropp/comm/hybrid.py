@@ -370,7 +370,8 @@ def record_hsdp_all_reduce(meter: CommMeter, group: dist.ProcessGroup, reduced: 
 
 def check_hybrid_fits(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device) -> None:
     """Before any collective: hybrid sharding's states (fp32 weights, gradients, Adam moments) divided by the ranks
-    of a node must fit the memory free for one rank. (On one node it is ZeRO-3: :mod:`hf_zeropp.engine.reports` says so.)"""
+    of a node must fit the memory free for one rank. (On one node it is ZeRO-3: :mod:`hf_zeropp.engine.reports` says
+    so.)"""
     if config.shard_group != "node" or topology.nodes == 1:
         return
     fits, needed, free = hybrid_fits(model, topology, device)

@@ -1,7 +1,7 @@
 """qgZ's rows: how the reduce-scatter's chunks are quantized, summed in fp32 and requantized between the two hops
 (:class:`BlockQuantizedPayload`, fused kernels with the fixed or the per-block width format), and the error feedback
-on a requantization (:class:`ErrorFeedback`, which hybrid sharding's all-reduce uses too). :mod:`hf_zeropp.comm.qgz` moves
-these rows between ranks."""
+on a requantization (:class:`ErrorFeedback`, which hybrid sharding's all-reduce uses too). :mod:`hf_zeropp.comm.qgz`
+moves these rows between ranks."""
 
 from __future__ import annotations
 

@@ -3,26 +3,26 @@
 ``fully_shard`` refuses two kinds of parameter (torch 2.13): 0-d ones (``_verify_managed_param``: there is no dim
 to shard; Accelerate's ``RegressionModel`` has two, CLIP's ``logit_scale`` is one, SigLIP's is a 1-element vector,
 which it shards) and non-contiguous ones (``FSDPParam``'s ``NotImplementedError``; any shape it takes otherwise, an
-empty one or one with fewer rows than ranks included). DDP and DeepSpeed train such models, so :func:`hf_zeropp.shard_model`
-does not fail on them: it passes them to every ``fully_shard`` call as ``ignored_params`` (FSDP2's own way to leave
-a parameter unmanaged) and this module gives them what FSDP2 gives the parameters it shards:
+empty one or one with fewer rows than ranks included). DDP and DeepSpeed train such models, so
+:func:`hf_zeropp.shard_model` does not fail on them: it passes them to every ``fully_shard`` call as ``ignored_params``
+(FSDP2's own way to leave a parameter unmanaged) and this module gives them what FSDP2 gives the parameters it shards:
 
 * rank 0's value on every rank once the model is sharded (DDP broadcasts at construction; FSDP2 would not);
 * the gradient averaged over every rank (the data-parallel group, also under hybrid sharding, whose replicas span
   nodes) by one all-reduce at the end of each backward that synchronises gradients (an autograd callback queued by
   the backward through the model's outputs or into the parameters themselves): not inside :func:`hf_zeropp.no_sync`
   at stages 0 and 1, every micro-batch at stages 2 and 3, as the sharded gradients' reduction runs (averaging an
-  accumulated gradient again adds the new micro-batch's mean to the mean so far). A parameter with no gradient on some rank counts as zero there (DDP's ``find_unused_parameters``);
-  one with a gradient on no rank keeps none. The sum travels in fp32 (or wider) and unquantized, whatever ZeRO++
-  does with the sharded gradients: they are a few values;
+  accumulated gradient again adds the new micro-batch's mean to the mean so far). A parameter with no gradient on some
+  rank counts as zero there (DDP's ``find_unused_parameters``); one with a gradient on no rank keeps none. The sum
+  travels in fp32 (or wider) and unquantized, whatever ZeRO++ does with the sharded gradients: they are a few values;
 * its bytes in ``comm_stats()`` under ``replicated_grad_allreduce``, and one line in ``implementations`` naming the
   parameters, with a warning on rank 0 at sharding time.
 
 A replicated parameter stays a plain tensor: torch's state-dict API, DCP and hf_zeropp's writers treat a plain
-tensor as one every rank holds whole, and :func:`hf_zeropp.engine.runtime.clip_grad_norm_` counts its (equal on every rank)
-gradient once. FSDP2's mixed precision does not cast it: it computes in its own dtype (a 0-d one scales activations
-without changing their dtype; a non-contiguous matrix would meet bf16 activations in fp32, so the warning says how
-to have it sharded instead).
+tensor as one every rank holds whole, and :func:`hf_zeropp.engine.runtime.clip_grad_norm_` counts its (equal on every
+rank) gradient once. FSDP2's mixed precision does not cast it: it computes in its own dtype (a 0-d one scales
+activations without changing their dtype; a non-contiguous matrix would meet bf16 activations in fp32, so the warning
+says how to have it sharded instead).
 """
 
 from __future__ import annotations

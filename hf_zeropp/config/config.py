@@ -1,8 +1,9 @@
 """ZeroPPConfig: every knob of hf_zeropp, validated in one place.
 
 Checks that need no process group run when the config is built (each field against its type here, the rules
-between options in :mod:`hf_zeropp.config.config_rules`); checks against the launch (world size, ranks per node) run in :meth:`hf_zeropp.comm.topology.Topology.from_config` — still before any collective — so that a bad
-configuration fails on every rank with the same message instead of hanging a job.
+between options in :mod:`hf_zeropp.config.config_rules`); checks against the launch (world size, ranks per node) run in
+:meth:`hf_zeropp.comm.topology.Topology.from_config` — still before any collective — so that a bad configuration fails
+on every rank with the same message instead of hanging a job.
 
 Every field carries its documentation (``field(metadata={"doc": ...})``), the subject it belongs to, and, for an
 enumeration, a ``typing.Literal`` annotation that :meth:`ZeroPPConfig._check_fields` checks generically. The
@@ -301,7 +302,8 @@ class ZeroPPConfig:
 
     @classmethod
     def from_deepspeed(cls, ds_config: dict[str, Any]) -> ZeroPPConfig:
-        """Map a DeepSpeed config's ZeRO(++) keys (:func:`hf_zeropp.interop.deepspeed.config.options_from_deepspeed`)."""
+        """Map a DeepSpeed config's ZeRO(++) keys
+        (:func:`hf_zeropp.interop.deepspeed.config.options_from_deepspeed`)."""
         return cls(**options_from_deepspeed(ds_config))
 
     @classmethod

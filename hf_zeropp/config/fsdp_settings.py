@@ -161,8 +161,8 @@ _remembered: list[FsdpSettings] = []
 
 def remember(settings: FsdpSettings) -> None:
     """Record the FSDP settings this process runs under (the launcher's, or a TrainingArguments' taken by
-    :func:`hf_zeropp.integrations.trainer.take_fsdp_config`), so that every model sharded afterwards records what they changed in
-    its ``comm_stats``. The latest settings count."""
+    :func:`hf_zeropp.integrations.trainer.take_fsdp_config`), so that every model sharded afterwards records what they
+    changed in its ``comm_stats``. The latest settings count."""
     _remembered[:] = [settings]
 
 

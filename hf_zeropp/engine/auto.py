@@ -18,8 +18,8 @@ full precision (hybrid-q's is hybrid) that is predicted no slower than the INT8 
 
 The model cannot see how much communication hides behind compute, and on fast links its predictions were 10-30 %
 off, the wrong way round as often as not (docs/results/2026-11-27-hybrid-sharding.md). So the prediction only orders
-the candidates and rules out the clearly slower ones; :mod:`hf_zeropp.engine.auto_trial` times the rest on the model's own
-first batch and keeps the fastest. The rule above decides alone where that trial cannot run.
+the candidates and rules out the clearly slower ones; :mod:`hf_zeropp.engine.auto_trial` times the rest on the model's
+own first batch and keeps the fastest. The rule above decides alone where that trial cannot run.
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ def pick(seconds: dict[str, float], margin: float = MARGIN) -> str:
 
 @dataclass(frozen=True)
 class AutoPlan:
-    """What the probe and the model decided when sharding started, for :mod:`hf_zeropp.engine.sharding` and the trial."""
+    """What the probe and the model decided when sharding started, for :mod:`hf_zeropp.engine.sharding` and the
+    trial."""
 
     configs: dict[str, ZeroPPConfig]  # every candidate that fits, resolved with the user's kept options
     predicted: dict[str, float]  # their predicted seconds per step (empty where nothing was probed)

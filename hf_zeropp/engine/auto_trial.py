@@ -1,8 +1,8 @@
 """``zeropp: auto``'s trial: time the model's own first batch under every candidate the prediction cannot separate,
 and keep the fastest.
 
-The step model of :mod:`hf_zeropp.engine.auto` adds communication as if nothing overlapped and cannot know the compute it
-hides behind; on fast links its predictions were 10-30 % off, as often the wrong way round as not. A measurement of
+The step model of :mod:`hf_zeropp.engine.auto` adds communication as if nothing overlapped and cannot know the compute
+it hides behind; on fast links its predictions were 10-30 % off, as often the wrong way round as not. A measurement of
 the user's own forward and backward has neither problem. So when :func:`hf_zeropp.shard_model` gets ``shard_group:
 auto`` on more than one node, it leaves the model unsharded, its class prefixed by :class:`AwaitingAutoTrial`, and
 the model's first call that computes gradients runs the trial before it runs itself:
@@ -20,19 +20,19 @@ the model's first call that computes gradients runs the trial before it runs its
   their fastest pass of both rounds. On a loaded machine one round scored a candidate 0.8 to 1.2 times its steady
   step, enough to turn a tie with ZeRO-3 into a loss to it; a pass slowed by whatever else ran is outlived by the
   faster one, and the reverse order times each close candidate once early and once late;
-* rank 0 applies :func:`hf_zeropp.engine.auto.pick` to the scores with ``TRIAL_MARGIN`` and broadcasts the winner. The RNG
-  state is restored, the model itself is sharded as the winner by that same call, and its first forward runs. The
+* rank 0 applies :func:`hf_zeropp.engine.auto.pick` to the scores with ``TRIAL_MARGIN`` and broadcasts the winner. The
+  RNG state is restored, the model itself is sharded as the winner by that same call, and its first forward runs. The
   model's weights, buffers and RNG state are the ones it had before the trial, so training is that preset's from
   the start, bit for bit.
 
 Optimizers built on the unsharded parameters, before or after ``prepare``, are pointed at the shards: those that
-``hf_zeropp.Accelerator.prepare`` was given at once, any other at its first step (:mod:`hf_zeropp.engine.optimizer_hooks`).
-The model takes the prediction's pick without a trial, and says why in rank 0's line and in
-``comm_stats(model)["implementations"]["auto"]``, where ``ZEROPP_AUTO_TRIAL=0``, where the model is frozen, and, with
-one warning on rank 0, where the trial cannot run: fp16 (a gradient scaler may unscale an optimizer that still holds
-the unsharded parameters), weights not real on every rank (the twins need them), a first forward without gradients
-(an evaluation, ``generate()``), or a use of the model as a sharded one (saving, loading, ``gathered_for_inference``)
-before its first forward.
+``hf_zeropp.Accelerator.prepare`` was given at once, any other at its first step
+(:mod:`hf_zeropp.engine.optimizer_hooks`). The model takes the prediction's pick without a trial, and says why in rank
+0's line and in ``comm_stats(model)["implementations"]["auto"]``, where ``ZEROPP_AUTO_TRIAL=0``, where the model is
+frozen, and, with one warning on rank 0, where the trial cannot run: fp16 (a gradient scaler may unscale an optimizer
+that still holds the unsharded parameters), weights not real on every rank (the twins need them), a first forward
+without gradients (an evaluation, ``generate()``), or a use of the model as a sharded one (saving, loading,
+``gathered_for_inference``) before its first forward.
 """
 
 from __future__ import annotations

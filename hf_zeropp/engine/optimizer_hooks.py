@@ -24,7 +24,8 @@ from ..comm.hpz import reshard_all
 # optimizer-step guard below recognise one that was not.
 _replaced: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
 # ids of replaced parameters that an optimizer was right to hold: auto sharded their model only at its first forward
-# (hf_zeropp.engine.auto_trial), after the optimizer was built on them as documented. Pointed at the shards, not refused.
+# (hf_zeropp.engine.auto_trial), after the optimizer was built on them as documented. Pointed at the shards, not
+# refused.
 _rebound_at_step: set[int] = set()
 # optimizers rebind_optimizer has seen (every one hf_zeropp.Accelerator.prepare was given): pointed at the shards as
 # soon as a model is sharded late, so that a gradient scaler's unscale or a clip over their parameters before the step

@@ -57,8 +57,8 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     """Shard ``model`` in place with ZeRO ``config.stage`` (+ ZeRO++ options) and return it; build the optimizer
     afterwards, on ``model.parameters()`` (this rank's shards). ``config`` is anything :meth:`ZeroPPConfig.coerce`
     takes. Every check runs before the first collective. The model may be real on every rank, on the meta device
-    on every rank, or real on rank 0 only (:mod:`hf_zeropp.engine.materialize`). A ``*_until`` schedule is refused unless
-    ``runs_schedule`` (the Trainer integration applies it). ``frozen=True`` (an RLHF reference or reward model)
+    on every rank, or real on rank 0 only (:mod:`hf_zeropp.engine.materialize`). A ``*_until`` schedule is refused
+    unless ``runs_schedule`` (the Trainer integration applies it). ``frozen=True`` (an RLHF reference or reward model)
     freezes every parameter first: no gradients or optimizer state, matrices stored INT8 with
     ``quantized_nontrainable_weights``. Under ``shard_group: auto`` on several nodes the model comes back unsharded
     and is sharded at its first forward, once that has timed the candidates (:mod:`hf_zeropp.engine.auto_trial`). The
@@ -94,8 +94,8 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
 
 def _place_weights(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
                    meter: CommMeter) -> tuple[str, dict[str, torch.Tensor]]:
-    """Agree on where the weights are (:mod:`hf_zeropp.engine.materialize`), give real replicas rank 0's values and store
-    frozen matrices INT8 if asked; returns the placement and, on rank 0 of a rank-0 load, its state dict."""
+    """Agree on where the weights are (:mod:`hf_zeropp.engine.materialize`), give real replicas rank 0's values and
+    store frozen matrices INT8 if asked; returns the placement and, on rank 0 of a rank-0 load, its state dict."""
     placement = agree_on_placement(model, topology)
     rank0_state = model.state_dict() if placement == RANK0 and topology.rank == 0 else {}  # references, not copies
     if loading_description(model, placement):

@@ -321,7 +321,8 @@ class Accelerator(accelerate.Accelerator):
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         """Also a folder DeepSpeed wrote (``save_checkpoint``, or ``save_state`` under DeepSpeed): its fp32 weights,
-        optimizer, scheduler and loss scale go into the prepared model (:mod:`hf_zeropp.checkpoint.deepspeed_restore`)."""
+        optimizer, scheduler and loss scale go into the prepared model
+        (:mod:`hf_zeropp.checkpoint.deepspeed_restore`)."""
         if input_dir is not None and is_deepspeed_checkpoint(input_dir):
             load_accelerator_state_from_deepspeed(self, input_dir, load_kwargs, **kwargs)
             return

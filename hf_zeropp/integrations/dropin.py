@@ -1,7 +1,7 @@
 """What ``hf-zeropp launch`` installs in each worker before the user's script runs, and the workers' entry point.
 
-``python -m hf_zeropp.integrations.dropin SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``) installs hf_zeropp, then runs the
-script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes these stock names, and nothing else:
+``python -m hf_zeropp.integrations.dropin SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``) installs hf_zeropp, then runs
+the script as ``python SCRIPT`` / ``python -m MODULE`` would. Installing changes these stock names, and nothing else:
 
 - ``accelerate.Accelerator`` is :class:`hf_zeropp.Accelerator`, whose config comes from ``ZEROPP_CONFIG`` (the
   launcher puts the resolved config there as JSON);

@@ -13,8 +13,8 @@ Accelerate's own parser), reads what is hf_zeropp's out of them, and starts ``ac
   ``--fsdp_*`` options) keep their meaning on top of that config (:mod:`hf_zeropp.config.fsdp_settings`: the wrap policy
   gives the units, the resharding the stage, and offload, activation checkpointing and CPU-RAM-efficient loading
   their hf_zeropp counterparts); with no config named, they run as zero3. No ``FSDP_*`` variable reaches a worker;
-- each worker runs ``python -m hf_zeropp.integrations.dropin SCRIPT ARGS`` (:mod:`hf_zeropp.integrations.dropin`), which installs hf_zeropp in
-  accelerate, transformers and TRL and then runs the script unchanged;
+- each worker runs ``python -m hf_zeropp.integrations.dropin SCRIPT ARGS`` (:mod:`hf_zeropp.integrations.dropin`), which
+  installs hf_zeropp in accelerate, transformers and TRL and then runs the script unchanged;
 - on a machine without GPUs, several processes take Accelerate's torchrun path with ``ACCELERATE_USE_CPU=true``
   (Accelerate's own CPU path would start one process, or need MPI).
 
@@ -335,8 +335,8 @@ def _check_script_options(script_args: list[str]) -> None:
 
 def _check_script_fsdp(script_args: list[str]) -> None:
     """The script's ``--fsdp`` / ``--fsdp_config`` (the Trainer's flags) are read now, as
-    :func:`hf_zeropp.integrations.trainer.take_fsdp_config` will read them, so that an FSDP setting hf_zeropp refuses fails once
-    here instead of on every worker."""
+    :func:`hf_zeropp.integrations.trainer.take_fsdp_config` will read them, so that an FSDP setting hf_zeropp refuses
+    fails once here instead of on every worker."""
     values: dict[str, Any] = {}
     for index, arg in enumerate(script_args):
         for flag in ("--fsdp", "--fsdp_config"):
@@ -360,8 +360,9 @@ def _runs_on_cpu(args: argparse.Namespace, settings: dict[str, Any]) -> bool:
 
 
 def _worker_entry(args: argparse.Namespace) -> dict[str, str]:
-    """Point ``args`` at ``python -m hf_zeropp.integrations.dropin``, and return the environment that starts it as Python starts
-    the script: ``python SCRIPT`` searches the script's folder first, ``python -m MODULE`` the working directory."""
+    """Point ``args`` at ``python -m hf_zeropp.integrations.dropin``, and return the environment that starts it as
+    Python starts the script: ``python SCRIPT`` searches the script's folder first, ``python -m MODULE`` the working
+    directory."""
     target = ["-m", args.training_script] if args.module else [args.training_script]
     args.training_script, args.module = WORKER_MODULE, True
     args.training_script_args = [*target, *args.training_script_args]

@@ -29,7 +29,8 @@ from ..checkpoint.checkpoint import TRAINER_OPTIMIZER_DIR, latest_trainer_checkp
 from ..config.config import SCHEDULED_TECHNIQUES, ZeroPPConfig
 from ..interop.deepspeed.checkpoint import is_deepspeed_checkpoint
 from ..checkpoint.deepspeed_restore import resume_trainer_from_deepspeed
-from ..config.fsdp_settings import CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, from_training_arguments, remember, zeropp_given
+from ..config.fsdp_settings import (CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, from_training_arguments, remember,
+                                    zeropp_given)
 from ..interop.deepspeed.training import DeepSpeedLoop, fill_from_training_arguments
 from ..engine.full_state import load_pretrained_in_slices
 from ..interop.hf_checkpoint import write_pretrained, writes_per_rank
@@ -56,8 +57,8 @@ def take_fsdp_config(args: TrainingArguments) -> None:
     """Make ``args.fsdp`` / ``args.fsdp_config`` (``--fsdp full_shard --fsdp_config fsdp.json``) hf_zeropp options
     and clear them, so that the Trainer sets up no FSDP plugin and sets no ``FSDP_*`` variable: hf_zeropp is FSDP2
     underneath, and the units, stage, offload, activation checkpointing and loading keep their meaning
-    (:mod:`hf_zeropp.config.fsdp_settings`) on top of ``args.zeropp``, or of the environment's config (zero3 when nothing
-    names one). The result is ``args.zeropp``. Unsupported keys are errors now, before any process group exists;
+    (:mod:`hf_zeropp.config.fsdp_settings`) on top of ``args.zeropp``, or of the environment's config (zero3 when
+    nothing names one). The result is ``args.zeropp``. Unsupported keys are errors now, before any process group exists;
     keys hf_zeropp ignores are said once, on rank 0."""
     if not args.fsdp:
         return

@@ -12,8 +12,7 @@ each file's header and every rank writes its own rows of each tensor at their of
 its shard. FSDP2 shards tensors by rows, so a rank's rows are one contiguous range of the file: nothing is copied,
 gathered or written twice. (torch DCP's Hugging Face writer plus its consolidation would write every byte twice and
 hold a serialized file, then a whole tensor, in memory.) The files are written under a hidden folder in the target
-and renamed into place when complete, so a save that fails leaves the previous weights readable.
-"""
+and renamed into place when complete, so a save that fails leaves the previous weights readable."""
 
 from __future__ import annotations
 

@@ -163,7 +163,8 @@ def kernel_seconds(events, device: torch.device) -> dict:
         return {"hf_zeropp_seconds": sum(ours.values()), "all_kernel_seconds": None, "hf_zeropp_kernels": ours}
     from torch.autograd import DeviceType
 
-    def annotation(event) -> bool:  # a record_function range shown on the GPU's timeline (hf_zeropp.comm.qgz.*), no kernel
+    # a record_function range shown on the GPU's timeline (hf_zeropp.comm.qgz.*), no kernel
+    def annotation(event) -> bool:
         return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("hf_zeropp.")
 
     cuda = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]

@@ -1,9 +1,10 @@
 """Read DeepSpeed checkpoints without DeepSpeed: the ZeRO stage 1, 2 and 3 partition files that
-``engine.save_checkpoint`` writes (fp32, bf16 or fp16 training, any number of ranks; :mod:`hf_zeropp.interop.deepspeed.zero`)
-and the "universal" layout of ``ds_to_universal`` (one folder per parameter; :mod:`hf_zeropp.interop.deepspeed.universal`).
-The result is a per-parameter view (:class:`~hf_zeropp.interop.deepspeed.files.DeepSpeedCheckpoint`): for every trainable
-parameter its fp32 master values and each optimizer state tensor, read lazily as flat ranges of the memory-mapped
-files, plus the optimizer step, the parameter group's hyperparameters, the LR scheduler's state and the step counters.
+``engine.save_checkpoint`` writes (fp32, bf16 or fp16 training, any number of ranks;
+:mod:`hf_zeropp.interop.deepspeed.zero`) and the "universal" layout of ``ds_to_universal`` (one folder per parameter;
+:mod:`hf_zeropp.interop.deepspeed.universal`). The result is a per-parameter view
+(:class:`~hf_zeropp.interop.deepspeed.files.DeepSpeedCheckpoint`): for every trainable parameter its fp32 master values
+and each optimizer state tensor, read lazily as flat ranges of the memory-mapped files, plus the optimizer step, the
+parameter group's hyperparameters, the LR scheduler's state and the step counters.
 :mod:`hf_zeropp.checkpoint.deepspeed_restore` loads that view into a sharded model and its optimizer.
 """
 
