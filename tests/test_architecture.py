@@ -23,7 +23,7 @@ ROOT = PACKAGE.parent
 WINGS = ["kernels", "_compat", "testing", "interop", "config", "comm", "engine", "checkpoint", "integrations", ""]
 # modules that sit above the wing their folder names: entry points that use everything
 ENTRY_POINTS = {"__main__": "", "kernels.__main__": "", "testing.conformance": ""}
-# what a wing holds besides its own folder (the top: the package's __init__ and __main__, nothing else)
+# the only modules left at the top of hf_zeropp/ (the top wing, ""): every other module lives in a wing's folder
 TOP_LEVEL = {"__init__.py", "__main__.py"}
 
 
