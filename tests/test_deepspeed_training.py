@@ -25,7 +25,7 @@ import torch
 import hf_zeropp
 from hf_zeropp.interop.deepspeed.config import deepspeed_key_table, options_from_deepspeed
 from hf_zeropp.interop.deepspeed.training import (DeepSpeedLossScaler, check_batch_sizes, fill_from_accelerator,
-                                          fill_from_training_arguments)
+                                                  fill_from_training_arguments)
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import full_parameters, make_optimizer, tiny_gpt2, train
 

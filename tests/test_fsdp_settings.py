@@ -27,7 +27,7 @@ from hf_zeropp.config import fsdp_settings
 from hf_zeropp.integrations.dropin import describe
 from hf_zeropp.config import fsdp_keys
 from hf_zeropp.config.fsdp_keys import (ACCELERATE_KEYS, IGNORED, MAPPED, REFUSED_KEYS, REFUSED_VALUES, TRAINER_KEYS,
-                                 key_table)
+                                        key_table)
 from hf_zeropp.config.fsdp_settings import CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, FsdpSettings
 from hf_zeropp.integrations.launch import LOAD_IN_SLICES, launch, parser, prepare
 from hf_zeropp.testing.tiny_models import tiny_gpt2

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from .frozen import frozen_stores
 from ..interop.hf_checkpoint import (INDEX_FILE, WEIGHTS_FILE, CheckpointSource, SafetensorsFolder, aliases, plan_reads,
-                            read_shards)
+                                     read_shards)
 from ..comm.hpz import reshard_all
 
 # How long rank 0 waits for the other ranks to join a consolidating save or load before it names the missing ones.

@@ -44,7 +44,7 @@ from ..interop.deepspeed.training import check_batch_sizes
 from ..engine.failure_report import FRESH_STORE_VARIABLE
 from ..config.fsdp_keys import PARALLELISM_CONFIG_REFUSED
 from ..config.fsdp_settings import (CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, FsdpSettings, from_accelerate,
-                            from_training_arguments, zeropp_given)
+                                    from_training_arguments, zeropp_given)
 from ..comm.topology import Topology
 
 CONFIG_KEY = "zeropp"
