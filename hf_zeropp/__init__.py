@@ -2,8 +2,10 @@
 for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSpeed.
 
 The public names are imported on first use (PEP 562): ``hf-zeropp launch``, ``python -m hf_zeropp.integrations.dropin``
-and any ``import hf_zeropp.<module>`` load only what they need, instead of the Trainer, Accelerate and
-DeepSpeed-checkpoint modules every time (about 3 s of a launcher's start)."""
+and any ``import hf_zeropp.<wing>.<module>`` load only what they need, instead of the Trainer, Accelerate and
+DeepSpeed-checkpoint modules every time (about 3 s of a launcher's start). The modules live in wings by concern
+(``kernels``, ``_compat``, ``testing``, ``interop``, ``config``, ``comm``, ``engine``, ``checkpoint``,
+``integrations``; docs/design.md, "Map"); ``_MODULE_OF`` says where each public name is defined."""
 
 from __future__ import annotations
 
