@@ -1,9 +1,11 @@
 """hf_zeropp: ZeRO stage 1-3 sharding and the ZeRO++ communication optimizations (qwZ, hpZ, qgZ) on torch FSDP2,
 for Hugging Face Accelerate, the Transformers Trainer and TRL — without DeepSpeed.
 
-The public names are imported on first use (PEP 562): ``hf-zeropp launch``, ``python -m hf_zeropp.dropin`` and any
-``import hf_zeropp.<module>`` load only what they need, instead of the Trainer, Accelerate and DeepSpeed-checkpoint
-modules every time (about 3 s of a launcher's start)."""
+The public names are imported on first use (PEP 562): ``hf-zeropp launch``, ``python -m hf_zeropp.integrations.dropin``
+and any ``import hf_zeropp.<wing>.<module>`` load only what they need, instead of the Trainer, Accelerate and
+DeepSpeed-checkpoint modules every time (about 3 s of a launcher's start). The modules live in wings by concern
+(``kernels``, ``_compat``, ``testing``, ``interop``, ``config``, ``comm``, ``engine``, ``checkpoint``,
+``integrations``; docs/design.md, "Map"); ``_MODULE_OF`` says where each public name is defined."""
 
 from __future__ import annotations
 
@@ -11,37 +13,37 @@ import importlib
 import importlib.util
 from typing import Any
 
-from .failure_report import install as _report_failures_to_the_launcher
+from .engine.failure_report import install as _report_failures_to_the_launcher
 
 __version__ = "0.1.0"
 
-_report_failures_to_the_launcher()  # only in a torchrun worker: see hf_zeropp.failure_report
+_report_failures_to_the_launcher()  # only in a torchrun worker: see hf_zeropp.engine.failure_report
 
 _MODULE_OF: dict[str, str] = {
-    "Accelerator": "accelerate_integration",
-    "latest_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "save_checkpoint": "checkpoint",
-    "save_pretrained": "checkpoint",
-    "PRESETS": "config",
-    "ZeroPPConfig": "config",
-    "convert_deepspeed_checkpoint": "deepspeed_convert",
-    "export_deepspeed_universal": "deepspeed_convert",
-    "load_deepspeed_checkpoint": "deepspeed_restore",
-    "gathered_for_inference": "inference",
-    "from_pretrained": "materialize",
-    "active_techniques": "runtime",
-    "comm_stats": "runtime",
-    "gathered_parameter_bytes": "runtime",
-    "no_sync": "runtime",
-    "set_techniques": "runtime",
-    "state_bytes": "runtime",
-    "shard_model": "sharding",
-    "ZeroPPCallback": "trainer",
-    "ZeroPPTrainer": "trainer",
-    "ZeroPPTrainerMixin": "trainer",
-    "ZeroPPTrainingArguments": "trainer",
-    "with_zeropp_field": "trainer",
+    "Accelerator": "integrations.accelerate_integration",
+    "latest_checkpoint": "checkpoint.checkpoint",
+    "load_checkpoint": "checkpoint.checkpoint",
+    "save_checkpoint": "checkpoint.checkpoint",
+    "save_pretrained": "checkpoint.checkpoint",
+    "PRESETS": "config.config",
+    "ZeroPPConfig": "config.config",
+    "convert_deepspeed_checkpoint": "checkpoint.deepspeed_convert",
+    "export_deepspeed_universal": "checkpoint.deepspeed_convert",
+    "load_deepspeed_checkpoint": "checkpoint.deepspeed_restore",
+    "gathered_for_inference": "engine.inference",
+    "from_pretrained": "engine.materialize",
+    "active_techniques": "engine.runtime",
+    "comm_stats": "engine.runtime",
+    "gathered_parameter_bytes": "engine.runtime",
+    "no_sync": "engine.runtime",
+    "set_techniques": "engine.runtime",
+    "state_bytes": "engine.runtime",
+    "shard_model": "engine.sharding",
+    "ZeroPPCallback": "integrations.trainer",
+    "ZeroPPTrainer": "integrations.trainer",
+    "ZeroPPTrainerMixin": "integrations.trainer",
+    "ZeroPPTrainingArguments": "integrations.trainer",
+    "with_zeropp_field": "integrations.trainer",
 }
 
 __all__ = sorted([*_MODULE_OF, "__version__"])

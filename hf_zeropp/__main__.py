@@ -1,11 +1,12 @@
 """The ``hf-zeropp`` command (also ``python -m hf_zeropp``).
 
 - ``hf-zeropp launch [accelerate launch options] [--zeropp CONFIG] SCRIPT [ARGS]``: run a script that does not
-  import hf_zeropp with ZeRO++ (:mod:`hf_zeropp.launch`).
+  import hf_zeropp with ZeRO++ (:mod:`hf_zeropp.integrations.launch`).
 - ``hf-zeropp env [--zeropp CONFIG] [--world N --node-size D]``: versions, kernel backends, the config and the
   topology this launch would get — everything a bug report needs, without starting any process group.
 - ``hf-zeropp from-deepspeed SOURCE OUTPUT`` / ``hf-zeropp to-deepspeed SOURCE OUTPUT``: a DeepSpeed checkpoint into
-  an hf_zeropp one, and an hf_zeropp checkpoint into DeepSpeed's universal format (:mod:`hf_zeropp.deepspeed_convert`).
+  an hf_zeropp one, and an hf_zeropp checkpoint into DeepSpeed's universal format
+  (:mod:`hf_zeropp.checkpoint.deepspeed_convert`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def _version(package: str) -> str:
 def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
     from . import __version__, kernels
     from ._compat.tested_versions import LOCK, WATCHED, untested_line
-    from .config import ZeroPPConfig
-    from .topology import Topology
+    from .config.config import ZeroPPConfig
+    from .comm.topology import Topology
 
     print(f"hf_zeropp {__version__}, Python {platform.python_version()} on {platform.platform()}")
     for package in WATCHED:
@@ -64,7 +65,7 @@ def env(zeropp: str | None, world: int | None, node_size: int | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:  # every other argument is accelerate launch's or the script's
-        from .launch import launch
+        from .integrations.launch import launch
 
         return launch(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-zeropp", description=__doc__,
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     to_ds.add_argument("output", help="the folder to write global_step<N>/ and latest_universal into")
     args = parser.parse_args(argv)
     if args.command in ("from-deepspeed", "to-deepspeed"):
-        from .deepspeed_convert import convert_deepspeed_checkpoint, export_deepspeed_universal
+        from .checkpoint.deepspeed_convert import convert_deepspeed_checkpoint, export_deepspeed_universal
 
         try:
             written = (convert_deepspeed_checkpoint(args.source, args.output, tag=args.tag)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=$ROOT/.venv-wheel
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+trap 'rm -rf "$WORK" "$ROOT/build" "$ROOT/hf_zeropp.egg-info"' EXIT  # setuptools builds in the checkout
 LOCK=hf_zeropp/_compat/locked-versions.txt
 .venv/bin/python -m pip wheel -q --disable-pip-version-check --no-deps . -w "$WORK/dist" 2>&1 | grep -v '^WARNING: Location' || true
 wheel=$(ls "$WORK"/dist/hf_zeropp-*.whl)

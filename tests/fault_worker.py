@@ -83,7 +83,7 @@ def _subgroups_inherit_the_world_timeout() -> None:
     hpZ meshes with the world process group's timeout instead of torch's 30-minute default for new groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hf_zeropp import topology
+    from hf_zeropp.comm import topology
     from hf_zeropp._compat import process_group_timeout
 
     def mesh(device_type, shape, names):

@@ -1,11 +1,17 @@
-"""The package's imports run one way: from the leaves (kernels, node-size detection, the private-API shim) through
-config, topology, the meter, the techniques and sharding to checkpoints and the integrations — no module imports one
-above its layer, so there is no import cycle (top-level, function-local and type-checking imports all count). Around
-the package, the benchmarks and experiments import hf_zeropp, never the reverse, and nothing imports the tests."""
+"""The package is in wings, and its imports run one way between them: from the leaves (the kernels, the private-API
+shim, the testing helpers) through DeepSpeed's and Hugging Face's formats (interop), the config, the collectives
+(comm), the engine and the checkpoints to the integrations, and from there only to the package itself — no module
+imports one of a higher wing, and no module imports in a cycle (top-level, function-local and type-checking imports
+all count). ``import hf_zeropp`` stays lazy: it loads neither the engine's sharding nor the integrations (the Trainer,
+Accelerate) until a public name needs them. Around the package, the benchmarks and experiments import hf_zeropp,
+never the reverse, and nothing imports the tests."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import hf_zeropp
@@ -13,30 +19,16 @@ import hf_zeropp
 PACKAGE = Path(hf_zeropp.__file__).resolve().parent
 ROOT = PACKAGE.parent
 
-LAYERS = [
-    {"kernels", "kernels.reference", "kernels.allocation", "kernels.ops", "kernels._build", "node_size", "layout",
-     "config_rules", "deepspeed_config", "deepspeed_optim", "deepspeed_plugin", "deepspeed_training", "field_types",
-     "fsdp_keys", "presets", "_compat", "_compat.torch_api", "_compat.transformers_api", "_compat.accelerate_api",
-     "_compat.tested_versions", "hf_checkpoint", "skeleton", "failure_report", "testing", "testing.corpus",
-     "testing.spawn", "testing.tiny_models", "testing.payloads", "testing.emulated_network", "testing.emulated_cluster",
-     "testing.threaded_ranks"},
-    {"deepspeed_files", "deepspeed_zero", "deepspeed_universal", "deepspeed_checkpoint"},
-    {"config"},
-    {"topology", "fsdp_settings"},
-    {"comm_meter", "hpz", "qgz_payload"},
-    {"hybrid"},
-    {"auto"},
-    {"qwz", "qgz", "frozen", "full_state", "inference", "state", "optimizer_hooks", "materialize", "auto_trial",
-     "replicated"},
-    {"reports", "runtime"},
-    {"sharding"},
-    {"checkpoint", "deepspeed_restore", "deepspeed_convert"},
-    {"accelerate_integration"},
-    {"trainer"},
-    {"launch"},
-    {"dropin"},
-    {"", "__main__", "kernels.__main__", "testing.conformance"},
-]
+# lowest first: a module may import its own wing and the wings before it, never one after it
+WINGS = ["kernels", "_compat", "testing", "interop", "config", "comm", "engine", "checkpoint", "integrations", ""]
+# modules that sit above the wing their folder names: entry points that use everything
+ENTRY_POINTS = {"__main__": "", "kernels.__main__": "", "testing.conformance": ""}
+# the only modules left at the top of hf_zeropp/ (the top wing, ""): every other module lives in a wing's folder
+TOP_LEVEL = {"__init__.py", "__main__.py"}
+
+
+def _wing(module: str) -> str:
+    return ENTRY_POINTS.get(module, module.split(".")[0])
 
 
 def _module(path: Path) -> str:
@@ -67,16 +59,23 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_every_module_has_a_layer():
-    placed = set().union(*LAYERS)
-    assert set(import_graph()) <= placed, sorted(set(import_graph()) - placed)
-
-
-def test_imports_only_go_to_the_same_or_a_lower_layer_and_never_in_a_cycle():
-    layer = {module: i for i, members in enumerate(LAYERS) for module in members}
+def test_every_module_is_in_a_wing_and_every_wing_says_what_it_may_import():
     graph = import_graph()
-    upward = [(m, d) for m, deps in graph.items() for d in deps if layer[d] > layer[m]]
-    assert not upward, f"imports against the layering: {upward}"
+    assert {_wing(m) for m in graph} <= set(WINGS), sorted(m for m in graph if _wing(m) not in WINGS)
+    top = {p.name for p in PACKAGE.glob("*.py")}
+    assert top == TOP_LEVEL, f"modules at the top of hf_zeropp/ outside any wing: {sorted(top - TOP_LEVEL)}"
+    for wing in ("config", "comm", "engine", "checkpoint", "integrations", "interop", "interop/deepspeed"):
+        docstring = ast.get_docstring(ast.parse((PACKAGE / wing / "__init__.py").read_text())) or ""
+        assert "May import" in docstring, f"hf_zeropp/{wing}/__init__.py does not say what the wing may import"
+        assert not [n for n in ast.parse((PACKAGE / wing / "__init__.py").read_text()).body
+                    if isinstance(n, (ast.Import, ast.ImportFrom))], f"hf_zeropp/{wing}/__init__.py imports"
+
+
+def test_imports_only_go_to_the_same_or_a_lower_wing_and_never_in_a_cycle():
+    rank = {wing: i for i, wing in enumerate(WINGS)}
+    graph = import_graph()
+    upward = [(m, d) for m, deps in graph.items() for d in deps if rank[_wing(d)] > rank[_wing(m)]]
+    assert not upward, f"imports against the wings' order: {upward}"
     visiting, done = set(), set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -91,6 +90,30 @@ def test_imports_only_go_to_the_same_or_a_lower_layer_and_never_in_a_cycle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_import_hf_zeropp_and_its_core_names_load_no_integration():
+    """``import hf_zeropp`` loads the failure reporter only; the engine's and the checkpoints' public names load the
+    wings below them, never the integrations (the Trainer, Accelerate: about 3 s of every launcher's start)."""
+    core = [n for n in hf_zeropp.__all__ if n != "__version__"
+            and not hf_zeropp._MODULE_OF[n].startswith("integrations.")]
+    code = f"""
+import json
+import sys
+import hf_zeropp
+first = sorted(m for m in sys.modules if m.startswith("hf_zeropp."))
+for name in {core!r}:
+    getattr(hf_zeropp, name)
+after = sorted(m for m in sys.modules if m.startswith(("hf_zeropp.integrations", "transformers.trainer",
+                                                        "accelerate.accelerator")))
+print(json.dumps([first, after]))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    first, after = json.loads(run.stdout.splitlines()[-1])
+    assert all(m.startswith(("hf_zeropp._compat", "hf_zeropp.engine")) for m in first), first
+    assert "hf_zeropp.engine.sharding" not in first and not after, (first, after)
+    assert core and set(hf_zeropp._MODULE_OF) - set(core), "the public API has core and integration names"
 
 
 def _top_level_imports(path: Path) -> set[str]:

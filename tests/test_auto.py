@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hf_zeropp import ZeroPPConfig
-from hf_zeropp.auto import CANDIDATES, MARGIN, Links, pick, step_traffic
+from hf_zeropp.engine.auto import CANDIDATES, MARGIN, Links, pick, step_traffic
 from hf_zeropp.testing.spawn import run_distributed
-from hf_zeropp.topology import Topology
+from hf_zeropp.comm.topology import Topology
 
 SLOW = Links(intra_latency=1e-4, intra_rate=5e9, inter_latency=1e-3, inter_rate=12.5e6,
              quantize_seconds_per_element=1e-9, update_seconds_per_element=1e-9)  # 100 Mbit/s between nodes
@@ -83,8 +83,10 @@ def _choose_with(links: Links | None, free_bytes: float | None, node_size: int):
 
     import torch.distributed as dist
 
-    from hf_zeropp import auto, comm_stats, hybrid, shard_model
-    from hf_zeropp.auto_trial import TRIAL_ENV
+    from hf_zeropp import comm_stats, shard_model
+    from hf_zeropp.comm import hybrid
+    from hf_zeropp.engine import auto
+    from hf_zeropp.engine.auto_trial import TRIAL_ENV
     from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
 
     probe, free = auto.probe_links, hybrid._free_bytes_per_rank

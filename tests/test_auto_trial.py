@@ -1,8 +1,8 @@
-"""``zeropp: auto``'s trial (:mod:`hf_zeropp.auto_trial`): the first batch timed under every candidate the prediction
-cannot separate, then training bit for bit as the winner's preset from the start (dropout on, gradient accumulation,
-an optimizer built before the sharding), in a bare script, the Trainer and an Accelerate loop; the same choice on
-every rank; the trial's times and cost in comm_stats; the candidates ruled out without timing; and the trial skipped,
-with a warning and the reason, where the first forward has no gradients."""
+"""``zeropp: auto``'s trial (:mod:`hf_zeropp.engine.auto_trial`): the first batch timed under every candidate the
+prediction cannot separate, then training bit for bit as the winner's preset from the start (dropout on, gradient
+accumulation, an optimizer built before the sharding), in a bare script, the Trainer and an Accelerate loop; the same
+choice on every rank; the trial's times and cost in comm_stats; the candidates ruled out without timing; and the trial
+skipped, with a warning and the reason, where the first forward has no gradients."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_zeropp import ZeroPPConfig
-from hf_zeropp.auto import CANDIDATES, Links
+from hf_zeropp.engine.auto import CANDIDATES, Links
 from hf_zeropp.testing.spawn import run_distributed
 
 NODE_SIZE = 2
@@ -48,7 +48,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 def _with_links(links: Links, build):
     """``build()`` with auto's link probe replaced by ``links``."""
-    from hf_zeropp import auto
+    from hf_zeropp.engine import auto
 
     probe = auto.probe_links
     auto.probe_links = lambda topology, device: links
@@ -64,7 +64,7 @@ def _script(config, links: Links | None = None) -> dict:
     import torch.distributed as dist
 
     from hf_zeropp import comm_stats, no_sync, shard_model
-    from hf_zeropp.auto_trial import is_pending
+    from hf_zeropp.engine.auto_trial import is_pending
     from hf_zeropp.testing.tiny_models import make_optimizer, train
 
     model = _with_links(links, lambda: shard_model(_model_with_dropout(), config)) if links else shard_model(
@@ -100,7 +100,8 @@ def _custom_loss(links: Links) -> dict:
 def _second_look(links: Links) -> dict:
     """The trial's clock replaced by fixed times: in the first round ZeRO-3 scores 8 % above ZeRO++ (as when a loaded
     machine slows the candidate timed first), in the second 1 % below it; every other candidate is twice as slow."""
-    from hf_zeropp import auto_trial, comm_stats, shard_model
+    from hf_zeropp import comm_stats, shard_model
+    from hf_zeropp.engine import auto_trial
     from hf_zeropp.testing.tiny_models import local_batch, tiny_gpt2
 
     rounds: dict[str, int] = {}

@@ -17,7 +17,7 @@ import torch
 
 import hf_zeropp
 from hf_zeropp import ZeroPPConfig
-from hf_zeropp.topology import Topology
+from hf_zeropp.comm.topology import Topology
 
 MORE_BAD_CONFIGS = [
     # stage

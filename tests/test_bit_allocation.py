@@ -223,10 +223,10 @@ def _heterogeneous_gradients(world: int, rank: int) -> torch.Tensor:
 
 
 def _allocation_worker(node_size: int):
-    from hf_zeropp.comm_meter import CommMeter, reduce_scatter_single
-    from hf_zeropp.config import ZeroPPConfig
-    from hf_zeropp.qgz import QuantizedReduceScatter
-    from hf_zeropp.topology import get_topology
+    from hf_zeropp.comm.comm_meter import CommMeter, reduce_scatter_single
+    from hf_zeropp.config.config import ZeroPPConfig
+    from hf_zeropp.comm.qgz import QuantizedReduceScatter
+    from hf_zeropp.comm.topology import get_topology
 
     topology = get_topology(ZeroPPConfig(node_size=node_size), "cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -357,11 +357,11 @@ def test_widths_on_a_device_without_their_kernel_are_said_once(device_type, back
     than the fixed format there. That is said once, naming the option that avoids it, not left silent."""
     import warnings
 
-    from hf_zeropp.comm_meter import CommMeter
-    from hf_zeropp.config import ZeroPPConfig
-    from hf_zeropp.reports import _report_width_format_without_kernel
-    from hf_zeropp.state import ZeroPPState
-    from hf_zeropp.topology import Topology
+    from hf_zeropp.comm.comm_meter import CommMeter
+    from hf_zeropp.config.config import ZeroPPConfig
+    from hf_zeropp.engine.reports import _report_width_format_without_kernel
+    from hf_zeropp.engine.state import ZeroPPState
+    from hf_zeropp.comm.topology import Topology
 
     config = ZeroPPConfig(quantized_gradients=True, gradient_bit_allocation=True, kernel_backend=backend,
                           node_size=2)

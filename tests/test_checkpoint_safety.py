@@ -23,7 +23,7 @@ def _save_and_die(root: str, name: str, where: str, model, optimizer, scheduler)
 
     from torch.distributed.checkpoint import filesystem
 
-    from hf_zeropp import checkpoint
+    from hf_zeropp.checkpoint import checkpoint
 
     torch.set_num_threads(1)  # a forked child must not touch the parent's OpenMP pool
     train(model, optimizer, range(5, 6))

@@ -14,9 +14,9 @@ BLOCK = 64
 
 
 def _setup(node_size: int):
-    from hf_zeropp.comm_meter import CommMeter
-    from hf_zeropp.config import ZeroPPConfig
-    from hf_zeropp.topology import get_topology
+    from hf_zeropp.comm.comm_meter import CommMeter
+    from hf_zeropp.config.config import ZeroPPConfig
+    from hf_zeropp.comm.topology import get_topology
 
     topology = get_topology(ZeroPPConfig(node_size=node_size), "cpu")
     _ = topology.node_mesh
@@ -57,8 +57,8 @@ def _error_bound(world: int, nodes: int, node_size: int, stages: int, first_bits
 
 
 def _qgz_worker(node_size: int):
-    from hf_zeropp.comm_meter import reduce_scatter_single
-    from hf_zeropp.qgz import QuantizedReduceScatter
+    from hf_zeropp.comm.comm_meter import reduce_scatter_single
+    from hf_zeropp.comm.qgz import QuantizedReduceScatter
     from hf_zeropp.testing.payloads import FullPrecisionPayload
 
     topology, meter = _setup(node_size)
@@ -125,8 +125,8 @@ def test_qgz_places_exactly_and_stays_within_the_quantization_bound(nodes, node_
 def _qgz_low_precision_worker(node_size: int):
     """qgZ on bf16 and fp16 gradients (FSDP's reduce dtype with ``reduce_dtype`` bf16/fp16): the result comes back in
     that dtype, within the quantization bound of the exact fp32 sum plus the dtype's rounding of the result."""
-    from hf_zeropp.comm_meter import reduce_scatter_single
-    from hf_zeropp.qgz import QuantizedReduceScatter
+    from hf_zeropp.comm.comm_meter import reduce_scatter_single
+    from hf_zeropp.comm.qgz import QuantizedReduceScatter
 
     topology, meter = _setup(node_size)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -157,8 +157,8 @@ def test_qgz_on_bf16_and_fp16_gradients(nodes, node_size):
 
 
 def _qwz_worker(node_size: int):
-    from hf_zeropp.comm_meter import all_gather_single
-    from hf_zeropp.qwz import QuantizedAllGather
+    from hf_zeropp.comm.comm_meter import all_gather_single
+    from hf_zeropp.comm.qwz import QuantizedAllGather
 
     topology, meter = _setup(node_size)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -205,7 +205,7 @@ def _reduce_scatter_worker(node_size: int):
     inputs from their seeds), in fp32 and bf16; also which algorithm ran. The all-to-all sums in fp32 and rounds
     once; gloo's ring, like NCCL's and like stock FSDP2 on gloo, rounds its partial sums to the dtype at each of
     its g - 1 hops."""
-    import hf_zeropp.comm_meter as comm_meter
+    import hf_zeropp.comm.comm_meter as comm_meter
 
     _, meter = _setup(node_size)
     all_to_all_calls = []
@@ -250,8 +250,8 @@ FEEDBACK_VARIANTS = {"off": {}, "plain": {"error_feedback": True},
 
 
 def _error_feedback_worker(steps: int):
-    from hf_zeropp.comm_meter import reduce_scatter_single
-    from hf_zeropp.qgz import QuantizedReduceScatter
+    from hf_zeropp.comm.comm_meter import reduce_scatter_single
+    from hf_zeropp.comm.qgz import QuantizedReduceScatter
 
     topology, meter = _setup(2)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -332,8 +332,8 @@ def _own_contribution_reference(world: int, node_size: int, rank: int, stages: i
 
 
 def _full_precision_local_worker(node_size: int):
-    from hf_zeropp.comm_meter import reduce_scatter_single
-    from hf_zeropp.qgz import QuantizedReduceScatter
+    from hf_zeropp.comm.comm_meter import reduce_scatter_single
+    from hf_zeropp.comm.qgz import QuantizedReduceScatter
 
     topology, meter = _setup(node_size)
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hf_zeropp import PRESETS, ZeroPPConfig
-from hf_zeropp.topology import Topology
+from hf_zeropp.comm.topology import Topology
 
 # the accuracy study's second cases (recipes/experiments/<case>)
 STUDY_CASES = ("llama_python_docs", "llama_stdlib", "llama_tied", "opt_python_docs", "openai_gpt_python_docs",
@@ -264,8 +264,8 @@ def test_readme_option_table_matches_the_field_docs_and_defaults():
     import re
     from pathlib import Path
 
-    from hf_zeropp.config import option_table
-    from hf_zeropp.field_types import render_default
+    from hf_zeropp.config.config import option_table
+    from hf_zeropp.config.field_types import render_default
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     start = readme.index("| option | default | meaning |")
@@ -281,7 +281,7 @@ def test_readme_option_table_matches_the_field_docs_and_defaults():
     for name, f in options.items():
         assert f.metadata.get("doc"), f"{name} has no doc"
         assert rows[name] == (render_default(f.default), f.metadata["doc"]), name
-    assert table == option_table(), "regenerate the README table with hf_zeropp.config.option_table()"
+    assert table == option_table(), "regenerate the README table with hf_zeropp.config.config.option_table()"
 
 
 def test_options_grouped_in_sections_equal_flat_ones(tmp_path):

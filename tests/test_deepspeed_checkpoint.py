@@ -22,10 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_zeropp.deepspeed_checkpoint import find_deepspeed_folder, read_deepspeed_checkpoint
-from hf_zeropp.deepspeed_convert import convert_deepspeed_checkpoint
-from hf_zeropp.deepspeed_files import DeepSpeedCheckpointError, load_file as load_deepspeed_file
-from hf_zeropp.deepspeed_restore import load_deepspeed_checkpoint
+from hf_zeropp.interop.deepspeed.checkpoint import find_deepspeed_folder, read_deepspeed_checkpoint
+from hf_zeropp.checkpoint.deepspeed_convert import convert_deepspeed_checkpoint
+from hf_zeropp.interop.deepspeed.files import DeepSpeedCheckpointError, load_file as load_deepspeed_file
+from hf_zeropp.checkpoint.deepspeed_restore import load_deepspeed_checkpoint
 from hf_zeropp.testing.spawn import run_distributed
 from scripts.deepspeed_reference import recipe
 
@@ -301,7 +301,7 @@ def test_converted_trainer_checkpoint_resumes_as_deepspeed_resumed_it(tmp_path):
 def test_converting_a_checkpoint_of_deepspeeds_own_adamw_keeps_its_decoupled_weight_decay(tmp_path):
     """DeepSpeed's FusedAdam keeps AdamW's decoupled weight decay outside its parameter groups: the converted groups
     get the keys of the optimizer hf_zeropp builds from the same config section (torch AdamW's), not Adam's."""
-    from hf_zeropp.deepspeed_convert import _read_dcp
+    from hf_zeropp.checkpoint.deepspeed_convert import _read_dcp
 
     converted = convert_deepspeed_checkpoint(FIXTURES / "trainer_zero3_bf16_w4_ds_optimizer" / "checkpoint-6",
                                              tmp_path / "checkpoint-6")
@@ -448,7 +448,7 @@ def argparse_namespace():
 
 
 def test_a_scheduler_that_cannot_take_the_saved_state_is_refused():
-    from hf_zeropp.deepspeed_optim import build_scheduler
+    from hf_zeropp.interop.deepspeed.optim import build_scheduler
 
     model = recipe.tiny_gpt2()
     optimizer = recipe.make_optimizer(model)

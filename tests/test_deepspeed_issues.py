@@ -181,7 +181,7 @@ def _lora_in_bf16(mode: str) -> dict:
     hf_zeropp's ``zeropp-lora`` preset (frozen matrices stored INT8, qwZ + hpZ + qgZ on the adapters)."""
     from peft import LoraConfig, get_peft_model
 
-    from hf_zeropp.frozen import frozen_weight_bytes
+    from hf_zeropp.engine.frozen import frozen_weight_bytes
 
     accelerator = _accelerator("stock" if mode == "stock" else {"preset": mode, "node_size": 2},
                                mixed_precision="bf16")
@@ -785,7 +785,7 @@ def test_6926_hpz_with_cpu_offload_maps_to_cpu_offload_policy_and_nvme_is_refuse
     and the Trainer's ``--deepspeed``, before any process group exists, naming the key and the alternative; DeepSpeed's
     spelling of "no offload" is accepted."""
     import hf_zeropp
-    from hf_zeropp.deepspeed_config import options_from_deepspeed
+    from hf_zeropp.interop.deepspeed.config import options_from_deepspeed
 
     ds = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, key: {"device": "cpu"}}}
     assert options_from_deepspeed(ds) == {"stage": 3, "hpz_partition_size": 8, "cpu_offload": True}

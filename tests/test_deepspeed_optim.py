@@ -1,4 +1,4 @@
-"""hf_zeropp.deepspeed_optim held to DeepSpeed 0.19.8 itself. The main CI compares with what DeepSpeed's engine
+"""hf_zeropp.interop.deepspeed.optim held to DeepSpeed 0.19.8 itself. The main CI compares with what DeepSpeed's engine
 wrote into tests/fixtures/deepspeed/optim_schedules.json (python -m scripts.deepspeed_reference.schedules): the lr,
 betas and momentum every optimizer step applies, get_last_lr() after it, the parameters after a few steps, and
 DeepSpeed's checkpointed scheduler state. The tests marked ``deepspeed`` (scripts/test_deepspeed.sh) run DeepSpeed
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zeropp.deepspeed_optim import (SCHEDULERS, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR,
-                                       build_optimizer, build_scheduler, check_optimizer, check_scheduler)
+from hf_zeropp.interop.deepspeed.optim import (SCHEDULERS, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR,
+                                               WarmupLR, build_optimizer, build_scheduler, check_optimizer,
+                                               check_scheduler)
 from scripts.deepspeed_reference.schedules import PARAM_STEPS, STEPS, hyperparameters, param_groups, record, tiny_model
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "deepspeed" / "optim_schedules.json").read_text())

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import hf_zeropp
-from hf_zeropp.deepspeed_config import deepspeed_key_table, options_from_deepspeed
-from hf_zeropp.deepspeed_training import (DeepSpeedLossScaler, check_batch_sizes, fill_from_accelerator,
-                                          fill_from_training_arguments)
+from hf_zeropp.interop.deepspeed.config import deepspeed_key_table, options_from_deepspeed
+from hf_zeropp.interop.deepspeed.training import (DeepSpeedLossScaler, check_batch_sizes, fill_from_accelerator,
+                                                  fill_from_training_arguments)
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import full_parameters, make_optimizer, tiny_gpt2, train
 
@@ -367,7 +367,7 @@ def accelerate_example_run() -> dict:
 def test_accelerates_deepspeed_example_trains_with_the_configs_optimizer_and_schedule(accelerate_example_run):
     """The script reads ``accelerator.state.deepspeed_plugin.deepspeed_config`` to choose ``DummyOptim`` /
     ``DummyScheduler`` and its accumulation steps, as under DeepSpeed, while ``distributed_type`` is Accelerate's
-    MULTI_CPU (hf_zeropp.deepspeed_plugin says why). It then trains with the config's AdamW and WarmupCosineLR, its
+    MULTI_CPU (hf_zeropp.integrations.deepspeed_plugin says why). It then trains with the config's AdamW and WarmupCosineLR, its
     "auto" filled from them as Accelerate fills it (total steps divided by the process count): the learning rate
     DeepSpeed 0.19.8 applied at every step, and losses within fp32's floor (1e-6) of DeepSpeed run with torch's AdamW
     (the kernel hf_zeropp steps), and within the distance between DeepSpeed's two Adam kernels of DeepSpeed with its

@@ -89,7 +89,7 @@ def test_wire_rule_matches_gloo_ring_algebra():
 def test_reduce_scatter_algorithm_choice_never_sends_more_than_gloos_ring_or_the_all_to_all():
     """Brute force over node counts and sizes: the chosen algorithm's cross-node bytes per node (ring edge
     2 (g-1)/g, all-to-all d (g-d)/g of the buffer) are the smaller of the two."""
-    from hf_zeropp.comm_meter import gloo_reduce_scatter_as_all_to_all
+    from hf_zeropp.comm.comm_meter import gloo_reduce_scatter_as_all_to_all
 
     for nodes in range(1, 9):
         for ranks_per_node in range(1, 9):
@@ -232,7 +232,7 @@ def test_profiler_breakdown_attributes_kernels_to_the_enclosing_call():
     from scripts.benchmarks import breakdown
     from torch.profiler import record_function
 
-    from hf_zeropp import qgz, qwz
+    from hf_zeropp.comm import qgz, qwz
 
     def work():
         with record_function(qwz.PROFILER_RANGE):

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_zeropp.config import ZeroPPConfig
-from hf_zeropp.node_size import node_size_from_environment
+from hf_zeropp.config.config import ZeroPPConfig
+from hf_zeropp.comm.node_size import node_size_from_environment
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import VOCAB, full_parameters, local_batch, make_optimizer, tiny_gpt2, train
 
@@ -99,7 +99,7 @@ def _forward_gather_order(options: dict) -> dict:
     """The order in which forward gathers start and blocks compute, and the async_op FSDP passed each gather."""
     import hf_zeropp
     from hf_zeropp._compat import in_backward
-    from hf_zeropp.qwz import QuantizedAllGather
+    from hf_zeropp.comm.qwz import QuantizedAllGather
 
     model = tiny_gpt2(n_layer=3)
     hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(**options))
@@ -339,9 +339,9 @@ def _save_on_rank_0_only(directory: str) -> str:
     import datetime
 
     import hf_zeropp
-    import hf_zeropp.full_state
+    import hf_zeropp.engine.full_state
 
-    hf_zeropp.full_state.ARRIVAL_TIMEOUT = datetime.timedelta(seconds=3)
+    hf_zeropp.engine.full_state.ARRIVAL_TIMEOUT = datetime.timedelta(seconds=3)
     model = tiny_gpt2()
     hf_zeropp.shard_model(model, "zero3")
     if dist.get_rank() != 0:

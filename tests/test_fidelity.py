@@ -362,8 +362,8 @@ def _hybrid_rows_beside_the_engine() -> list[dict]:
 
     from hf_zeropp import ZeroPPConfig, shard_model
     from hf_zeropp._compat import ReduceScatter
-    from hf_zeropp.layout import parameter_spans
-    from hf_zeropp.state import fsdp_modules, zeropp_state
+    from hf_zeropp.comm.layout import parameter_spans
+    from hf_zeropp.engine.state import fsdp_modules, zeropp_state
     from hf_zeropp.testing.tiny_models import local_batch, make_optimizer, relative_error, tiny_gpt2
     from scripts.experiments import fidelity
 

@@ -26,7 +26,7 @@ def _lora_run(mixed_precision: str, output: str | None):
     from torch.distributed.tensor import DTensor
 
     import hf_zeropp
-    from hf_zeropp.frozen import frozen_weight_bytes
+    from hf_zeropp.engine.frozen import frozen_weight_bytes
 
     model = _lora_model()
     originals = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and p.dim() == 2}

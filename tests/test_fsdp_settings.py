@@ -22,15 +22,16 @@ import pytest
 import torch
 import yaml
 
-from hf_zeropp import ZeroPPConfig, fsdp_settings
-from hf_zeropp.dropin import describe
-from hf_zeropp import fsdp_keys
-from hf_zeropp.fsdp_keys import (ACCELERATE_KEYS, IGNORED, MAPPED, REFUSED_KEYS, REFUSED_VALUES, TRAINER_KEYS,
-                                 key_table)
-from hf_zeropp.fsdp_settings import CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, FsdpSettings
-from hf_zeropp.launch import LOAD_IN_SLICES, launch, parser, prepare
+from hf_zeropp import ZeroPPConfig
+from hf_zeropp.config import fsdp_settings
+from hf_zeropp.integrations.dropin import describe
+from hf_zeropp.config import fsdp_keys
+from hf_zeropp.config.fsdp_keys import (ACCELERATE_KEYS, IGNORED, MAPPED, REFUSED_KEYS, REFUSED_VALUES, TRAINER_KEYS,
+                                        key_table)
+from hf_zeropp.config.fsdp_settings import CONFIG_GIVEN_VARIABLE, SETTINGS_VARIABLE, FsdpSettings
+from hf_zeropp.integrations.launch import LOAD_IN_SLICES, launch, parser, prepare
 from hf_zeropp.testing.tiny_models import tiny_gpt2
-from hf_zeropp.topology import Topology
+from hf_zeropp.comm.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "launch_scripts" / "fsdp_accelerate.py"
@@ -52,7 +53,7 @@ UNITS = ["GPT2Attention", "GPT2MLP"]
 @pytest.fixture(autouse=True)
 def fresh_settings(monkeypatch):
     """No hf_zeropp variable of the caller's environment in a test, and this process's FSDP settings
-    (:func:`hf_zeropp.fsdp_settings.remember`) and environment restored after it, so that no later model in this
+    (:func:`hf_zeropp.config.fsdp_settings.remember`) and environment restored after it, so that no later model in this
     process records them."""
     monkeypatch.setattr(fsdp_settings, "_remembered", [])
     for name in [n for n in os.environ if n.startswith(("ZEROPP_", "HF_ZEROPP_"))]:
@@ -253,8 +254,8 @@ def test_trainer_fsdp_arguments_become_the_zeropp_config_and_set_no_fsdp_plugin_
     ``from_pretrained`` load per-rank slices."""
     from transformers import PreTrainedModel, TrainingArguments
 
-    from hf_zeropp import dropin
-    from hf_zeropp.trainer import ZeroPPTrainingArguments
+    from hf_zeropp.integrations import dropin
+    from hf_zeropp.integrations.trainer import ZeroPPTrainingArguments
 
     args = ZeroPPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
                                    fsdp="full_shard offload auto_wrap",

@@ -142,7 +142,7 @@ def test_bad_rotation_sizes_name_the_value_and_the_fix(kwargs, message):
      "gradient_block_size=192 is not a multiple of gradient_hadamard=128: .* use gradient_block_size=256"),
 ])
 def test_config_rejects_rotation_sizes_the_kernels_cannot_run(options, message):
-    from hf_zeropp.config import ZeroPPConfig
+    from hf_zeropp.config.config import ZeroPPConfig
 
     with pytest.raises(ValueError, match=message):
         ZeroPPConfig.preset("zeropp", **options)

@@ -99,7 +99,7 @@ def _frozen_both_ways(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import hf_zeropp
-    from hf_zeropp.frozen import frozen_stores
+    from hf_zeropp.engine.frozen import frozen_stores
 
     config = hf_zeropp.ZeroPPConfig(**PRESETS["zeropp"], node_size=2, quantized_nontrainable_weights=True)
     lora = {"r": 4, "target_modules": ["c_attn", "c_fc"], "lora_dropout": 0.0}
@@ -239,7 +239,7 @@ def _save_then_fail(path: str, target: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import hf_zeropp
-    import hf_zeropp.hf_checkpoint as hf_checkpoint
+    import hf_zeropp.interop.hf_checkpoint as hf_checkpoint
 
     model = hf_zeropp.from_pretrained(AutoModelForCausalLM, path)
     hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig(stage=3, node_size=2))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hf_zeropp import ZeroPPConfig
 from hf_zeropp.testing.spawn import run_distributed
-from hf_zeropp.topology import Topology
+from hf_zeropp.comm.topology import Topology
 
 STEPS = 4
 
@@ -45,7 +45,7 @@ def _first_gradients(model) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The gradients of step 0 (full tensors), after one forward and backward, and the meter's relative error of
     each quantization in it (what the Trainer logs as ``quantization_error``)."""
     from hf_zeropp import comm_stats
-    from hf_zeropp.state import zeropp_state
+    from hf_zeropp.engine.state import zeropp_state
     from hf_zeropp.testing.tiny_models import local_batch
 
     ids = local_batch(0, size=_batch())
@@ -241,7 +241,7 @@ def test_bad_hybrid_configurations_are_refused_before_any_collective():
 
 
 def test_hybrid_refuses_a_model_whose_states_do_not_fit_a_node(monkeypatch):
-    from hf_zeropp import hybrid
+    from hf_zeropp.comm import hybrid
     from hf_zeropp.testing.tiny_models import tiny_gpt2
 
     config = ZeroPPConfig.preset("hybrid", node_size=2)
@@ -348,9 +348,9 @@ FEEDBACK_LENGTH, FEEDBACK_BLOCK = 1001, 64  # a node partial sum that no block s
 
 def _feedback_worker(steps: int):
     """The same node partial sum all-reduced ``steps`` times under each error-feedback variant."""
-    from hf_zeropp.comm_meter import CommMeter
-    from hf_zeropp.hybrid import QuantizedCrossNodeAllReduce
-    from hf_zeropp.topology import get_topology
+    from hf_zeropp.comm.comm_meter import CommMeter
+    from hf_zeropp.comm.hybrid import QuantizedCrossNodeAllReduce
+    from hf_zeropp.comm.topology import get_topology
 
     topology = get_topology(ZeroPPConfig(node_size=2), "cpu")
     torch.manual_seed(7 + dist.get_rank())
@@ -405,7 +405,7 @@ def _resume(checkpoint_dir: str, options: dict):
     """hybrid-q: the step after a resume equals the step without the stop (stochastic rounding draws the same
     rounding; error feedback adds the same residuals)."""
     from hf_zeropp import load_checkpoint, save_checkpoint, shard_model
-    from hf_zeropp.state import zeropp_state
+    from hf_zeropp.engine.state import zeropp_state
     from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
 
     config = ZeroPPConfig.preset("hybrid-q", node_size=2, **options)
@@ -445,7 +445,7 @@ def _resume_on_other_node_size(checkpoint_dir: str, preset: str):
     import shutil
 
     from hf_zeropp import comm_stats, load_checkpoint, save_checkpoint, shard_model
-    from hf_zeropp.state import zeropp_state
+    from hf_zeropp.engine.state import zeropp_state
     from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
 
     def sharded(node_size: int):

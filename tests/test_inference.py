@@ -57,7 +57,7 @@ def _run(preset: str, gather: str, block: bool) -> dict:
     import torch.distributed as dist
 
     import hf_zeropp
-    from hf_zeropp.hpz import reshard_all
+    from hf_zeropp.comm.hpz import reshard_all
 
     rank = dist.get_rank()
     model = _model(preset)

@@ -68,7 +68,7 @@ def test_accelerate_launch_trains_each_stage_and_hybrid_sharding(train_accelerat
     on rank 0, which configuration it chose and why."""
     folder = train_accelerate_runs["work"] / preset
     if preset == "auto":
-        from hf_zeropp.auto import CANDIDATES
+        from hf_zeropp.engine.auto import CANDIDATES
 
         output = train_accelerate_runs["output"]  # only auto's run says what auto chose
         choices = re.findall(r"^hf_zeropp auto: (.+?) \(timed on the first batch", output, re.MULTILINE)

@@ -216,7 +216,7 @@ def _frozen_int8_from_loaded_weights(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     import hf_zeropp
-    from hf_zeropp.frozen import frozen_stores
+    from hf_zeropp.engine.frozen import frozen_stores
 
     plain = AutoModelForCausalLM.from_pretrained(path)
     expected = {name: p.detach() for name, p in plain.named_parameters()}

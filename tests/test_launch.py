@@ -24,8 +24,8 @@ import pytest
 import torch
 import yaml
 
-from hf_zeropp.deepspeed_plugin import PLUGIN_VARIABLE
-from hf_zeropp.launch import launch
+from hf_zeropp.integrations.deepspeed_plugin import PLUGIN_VARIABLE
+from hf_zeropp.integrations.launch import launch
 from hf_zeropp.testing import emulated_network
 from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
 
@@ -170,7 +170,7 @@ def test_accelerate_script_under_the_launcher_equals_the_ported_script_bit_for_b
     then load_state into a fresh run; save_model: the same numbers as the script with ``from hf_zeropp import
     Accelerator``, and the ported run's meter shows ZeRO++'s three techniques at work."""
     launched, imported = accelerate_runs["launched"], accelerate_runs["imported"]
-    hf_zeropp_accelerator = "hf_zeropp.accelerate_integration.Accelerator"
+    hf_zeropp_accelerator = "hf_zeropp.integrations.accelerate_integration.Accelerator"
     assert launched["accelerator_class"] == imported["accelerator_class"] == hf_zeropp_accelerator
     for pattern in ("one_call", "split_prepare", "uninterrupted", "resumed"):
         assert launched[pattern] == imported[pattern], pattern
@@ -546,8 +546,8 @@ def test_the_scripts_deepspeed_config_is_refused_before_any_worker_starts(tmp_pa
 def test_restarts_get_a_fresh_store_per_round_and_stock_torchrun_is_told_how(tmp_path):
     """The launcher asks torchrun for a fresh rendezvous store per round when workers may restart; a worker under
     stock torchrun that may restart without one names the fix (a restarted worker would read stale addresses)."""
-    from hf_zeropp.failure_report import restart_problem
-    from hf_zeropp.launch import parser, prepare
+    from hf_zeropp.engine.failure_report import restart_problem
+    from hf_zeropp.integrations.launch import parser, prepare
 
     args = parser().parse_args(["--config_file", str(STOCK_CPU), "--max_restarts", "1", "--rdzv_backend", "c10d",
                                 str(SCRIPTS / "trainer_example.py")])
@@ -576,7 +576,7 @@ import accelerate, transformers
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 stock = (accelerate.Accelerator, Trainer.__init__, HfArgumentParser.__init__, TrainingArguments.__post_init__)
 import hf_zeropp
-from hf_zeropp import dropin
+from hf_zeropp.integrations import dropin
 now = lambda: (accelerate.Accelerator, Trainer.__init__, HfArgumentParser.__init__, TrainingArguments.__post_init__)
 assert now() == stock, "import hf_zeropp changed a stock name"
 dropin.install()
@@ -597,10 +597,10 @@ def test_import_installs_nothing_and_uninstall_restores_stock():
 
 def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(tmp_path):
     """What reaches Accelerate and the workers: the YAML without ``zeropp:`` and DeepSpeed, MULTI_GPU with
-    ``ACCELERATE_USE_CPU`` on a machine without GPUs, ``python -m hf_zeropp.dropin SCRIPT ARGS``, and the config as
-    JSON with ``--zeropp`` over the YAML."""
+    ``ACCELERATE_USE_CPU`` on a machine without GPUs, ``python -m hf_zeropp.integrations.dropin SCRIPT ARGS``, and the
+    config as JSON with ``--zeropp`` over the YAML."""
     from hf_zeropp import ZeroPPConfig
-    from hf_zeropp.launch import parser, prepare
+    from hf_zeropp.integrations.launch import parser, prepare
 
     script = str(SCRIPTS / "trainer_example.py")
     config_file = _write_yaml(tmp_path / "in.yaml", distributed_type="MULTI_CPU", use_cpu=True,
@@ -612,7 +612,7 @@ def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(
     if not torch.cuda.is_available():
         assert (written["distributed_type"], written["use_cpu"], environment["ACCELERATE_USE_CPU"]) == (
             "MULTI_GPU", False, "true")
-    assert (args.training_script, args.module) == ("hf_zeropp.dropin", True)
+    assert (args.training_script, args.module) == ("hf_zeropp.integrations.dropin", True)
     assert args.training_script_args == [script, "--max_steps", "1"]
     resolved = ZeroPPConfig.from_dict(json.loads(environment["ZEROPP_CONFIG"]))
     assert resolved == ZeroPPConfig.preset("zeropp", node_size=2)

@@ -29,9 +29,9 @@ GRADIENT_FAULTS = {
 def _qgz_with_non_finite_inputs():
     """qgZ's reduce-scatter on inputs where one rank's chunk for one owner holds a NaN/Inf, against the exact
     (unquantized) reduce-scatter of the same inputs."""
-    from hf_zeropp.comm_meter import CommMeter, reduce_scatter_single
-    from hf_zeropp.qgz import QuantizedReduceScatter
-    from hf_zeropp.topology import get_topology
+    from hf_zeropp.comm.comm_meter import CommMeter, reduce_scatter_single
+    from hf_zeropp.comm.qgz import QuantizedReduceScatter
+    from hf_zeropp.comm.topology import get_topology
 
     world, rank = dist.get_world_size(), dist.get_rank()
     topology = get_topology(ZeroPPConfig(node_size=2), "cpu")

@@ -1,6 +1,6 @@
 """Parameters FSDP2 cannot shard (0-d: Accelerate's RegressionModel ``a``/``b``, CLIP's ``logit_scale``) are kept
-replicated and trained as DDP trains them (:mod:`hf_zeropp.replicated`): every preset against one process training on
-the same global batch (the loss the mean of the ranks' losses, as DDP averages gradients), fp32; their all-reduce in
+replicated and trained as DDP trains them (:mod:`hf_zeropp.comm.replicated`): every preset against one process training
+on the same global batch (the loss the mean of the ranks' losses, as DDP averages gradients), fp32; their all-reduce in
 ``comm_stats``; rank 0's values at sharding time; and every checkpoint format round-tripping them. A tiny SigLIP (its
 ``logit_scale``/``logit_bias`` are 1-element vectors, which FSDP2 shards unevenly: one rank holds nothing) trains
 beside them."""
@@ -107,7 +107,7 @@ def _sharded(kind: str, mode: str):
 def _train_ranks(mode: str) -> dict:
     """Every kind under ``mode``: accumulation through no_sync, hf_zeropp's clip_grad_norm_, AdamW."""
     import hf_zeropp
-    from hf_zeropp.runtime import clip_grad_norm_
+    from hf_zeropp.engine.runtime import clip_grad_norm_
 
     out = {}
     for kind in KINDS:
@@ -193,7 +193,7 @@ def test_quantized_presets_train_as_stock_within_quantization_noise(runs, refere
 
 @pytest.mark.parametrize("mode", [*EXACT_MODES, *QUANTIZED_MODES])
 def test_comm_stats_count_the_all_reduce_and_name_the_parameters(runs, mode):
-    from hf_zeropp.replicated import KIND
+    from hf_zeropp.comm.replicated import KIND
 
     world = {**EXACT_MODES, **QUANTIZED_MODES}[mode]
     for rank_result in runs[mode]:
@@ -250,10 +250,10 @@ def _checkpoints(mode: str, workdir: str) -> dict:
     from transformers import CLIPModel
 
     import hf_zeropp
-    from hf_zeropp.deepspeed_convert import convert_deepspeed_checkpoint, export_deepspeed_universal
-    from hf_zeropp.deepspeed_restore import load_deepspeed_checkpoint
-    from hf_zeropp.full_state import consolidated_state_dict
-    from hf_zeropp.materialize import attach_checkpoint
+    from hf_zeropp.checkpoint.deepspeed_convert import convert_deepspeed_checkpoint, export_deepspeed_universal
+    from hf_zeropp.checkpoint.deepspeed_restore import load_deepspeed_checkpoint
+    from hf_zeropp.engine.full_state import consolidated_state_dict
+    from hf_zeropp.engine.materialize import attach_checkpoint
 
     rank, out = dist.get_rank(), {}
     for kind in ("regression", "clip"):
@@ -382,7 +382,7 @@ def _unused_and_penalty_only() -> dict:
     """Rank 1's forward leaves ``scale`` out (DDP's unused parameter); then a backward of a penalty on ``scale`` alone,
     rank-dependent, with no forward: the gradients each backward leaves, and the all-reduces counted."""
     import hf_zeropp
-    from hf_zeropp.replicated import KIND
+    from hf_zeropp.comm.replicated import KIND
 
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
-"""The empty model ``hf_zeropp.from_pretrained`` shards (hf_zeropp/skeleton.py) against stock ``from_pretrained``:
-the same tensor names, shapes and dtypes, mode, generation config and Hub-kernel state, for every way the dtype is
-chosen; and a model kernelized by transformers' default trains sharded exactly as stock DDP trains it."""
+"""The empty model ``hf_zeropp.from_pretrained`` shards (hf_zeropp/engine/skeleton.py) against stock
+``from_pretrained``: the same tensor names, shapes and dtypes, mode, generation config and Hub-kernel state, for every
+way the dtype is chosen; and a model kernelized by transformers' default trains sharded exactly as stock DDP trains
+it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_zeropp.hf_checkpoint import SafetensorsFolder
-from hf_zeropp.skeleton import build_skeleton
+from hf_zeropp.interop.hf_checkpoint import SafetensorsFolder
+from hf_zeropp.engine.skeleton import build_skeleton
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import VOCAB
 

@@ -74,11 +74,11 @@ def _train(options: dict, device: str, state: dict[str, torch.Tensor]) -> dict:
 def _collectives(device: str) -> dict[str, torch.Tensor]:
     """qgZ's 2-hop reduce-scatter (INT4, 2 stages, stochastic rounding) and qwZ's INT8 all-gather of fixed inputs:
     only hf_zeropp's kernels compute, so every device must give the same bits."""
-    from hf_zeropp.comm_meter import CommMeter
-    from hf_zeropp.config import ZeroPPConfig
-    from hf_zeropp.qgz import QuantizedReduceScatter
-    from hf_zeropp.qwz import QuantizedAllGather
-    from hf_zeropp.topology import get_topology
+    from hf_zeropp.comm.comm_meter import CommMeter
+    from hf_zeropp.config.config import ZeroPPConfig
+    from hf_zeropp.comm.qgz import QuantizedReduceScatter
+    from hf_zeropp.comm.qwz import QuantizedAllGather
+    from hf_zeropp.comm.topology import get_topology
 
     topology = get_topology(ZeroPPConfig(node_size=NODE_SIZE), device)
     meter = CommMeter(topology)

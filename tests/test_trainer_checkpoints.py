@@ -21,8 +21,8 @@ TRAINER_WORKER = Path(__file__).resolve().parent / "trainer_worker.py"
 def trainer_crash(tmp_path_factory):
     """ZeroPPTrainer on 2 ranks saving every 2 steps; rank 1 is SIGKILLed while checkpoint-4 is written (weights
     on disk, optimizer shards not). Then two resumes: ``resume_from_checkpoint=True``, and the path
-    ``hf_zeropp.checkpoint.latest_trainer_checkpoint`` picks."""
-    from hf_zeropp.checkpoint import latest_trainer_checkpoint
+    ``hf_zeropp.checkpoint.checkpoint.latest_trainer_checkpoint`` picks."""
+    from hf_zeropp.checkpoint.checkpoint import latest_trainer_checkpoint
     from transformers.trainer_utils import get_last_checkpoint
 
     work = tmp_path_factory.mktemp("trainer")

@@ -37,7 +37,7 @@ def main() -> None:
     from transformers import TrainerCallback
 
     import hf_zeropp
-    from hf_zeropp.checkpoint import latest_trainer_checkpoint
+    from hf_zeropp.checkpoint.checkpoint import latest_trainer_checkpoint
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ["RANK"])

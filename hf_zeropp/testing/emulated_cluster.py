@@ -30,7 +30,7 @@ Each node runs ``torchrun --nnodes N --node_rank i --nproc_per_node D --master_a
 command runs as is, once per node, with ``ZPP_NODE_RANK``/``ZPP_MASTER_ADDR``/``ZPP_NODE_ADDRS`` set). With
 ``--max-restarts N`` the nodes instead meet through torchrun's c10d rendezvous on node 0's address, each agent restarts
 its workers up to N times, and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every rendezvous round a fresh store
-(:func:`hf_zeropp.failure_report.restart_problem` says why both are needed). Output
+(:func:`hf_zeropp.engine.failure_report.restart_problem` says why both are needed). Output
 lines are prefixed with ``[n<i>]``. The veth byte/packet counters of every node are read before and after the run
 and printed (and written to ``--counters-json``). Namespaces, links and the processes this script started are
 always removed (normal exit, errors, Ctrl-C, SIGTERM).

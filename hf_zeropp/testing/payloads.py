@@ -1,6 +1,6 @@
 """A qgZ payload without quantization, for tests: the same reorder and the same two hops as
-:class:`hf_zeropp.qgz.BlockQuantizedPayload`, with fp32 rows. Passed as ``QuantizedReduceScatter(..., payload=...)``
-it isolates placement and averaging from quantization error."""
+:class:`hf_zeropp.comm.qgz.BlockQuantizedPayload`, with fp32 rows. Passed as ``QuantizedReduceScatter(...,
+payload=...)`` it isolates placement and averaging from quantization error."""
 
 from __future__ import annotations
 

@@ -146,8 +146,8 @@ def link_bytes_per_s(link: str) -> float | None:
     return bits / 8 if bits is not None else None
 
 
-# the bench's names of what auto chooses among (hf_zeropp.auto.CANDIDATES): the best fixed configuration of a link is
-# the fastest of those the launch ran
+# the bench's names of what auto chooses among (hf_zeropp.engine.auto.CANDIDATES): the best fixed configuration of a
+# link is the fastest of those the launch ran
 AUTO_CANDIDATES = ("ZeRO-3", "ZeRO++", "ZeRO++ int8 gradients", "hybrid", "hybrid-q", "hybrid-q int8")
 
 

@@ -1,7 +1,7 @@
 """Where a step's time goes, read from ``torch.profiler`` events (nothing in hf_zeropp is wrapped or patched).
 
-hf_zeropp opens a profiler range around each call of its all-gather hook (``hf_zeropp.qwz.PROFILER_RANGE``,
-qwZ when on, else the plain gather) and of its gradient reduce-scatter hook (``hf_zeropp.qgz.PROFILER_RANGE``,
+hf_zeropp opens a profiler range around each call of its all-gather hook (``hf_zeropp.comm.qwz.PROFILER_RANGE``,
+qwZ when on, else the plain gather) and of its gradient reduce-scatter hook (``hf_zeropp.comm.qgz.PROFILER_RANGE``,
 qgZ when on, else the plain reduce-scatter); its quantization kernels are torch custom ops, so each call shows
 as ``hf_zeropp::quantize``, ``hf_zeropp::dequantize``, ``hf_zeropp::swizzle_quantize``,
 ``hf_zeropp::dequant_reduce_quant`` or ``hf_zeropp::dequant_reduce`` (the plain-torch reference backend opens
@@ -33,7 +33,7 @@ SECTIONS = ("gather", "reduce")
 
 def section_ranges() -> dict[str, str]:
     """Profiler range name -> report section, from hf_zeropp's own constants."""
-    from hf_zeropp import qgz, qwz
+    from hf_zeropp.comm import qgz, qwz
 
     return {qwz.PROFILER_RANGE: "gather", qgz.PROFILER_RANGE: "reduce"}
 

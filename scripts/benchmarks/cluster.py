@@ -35,7 +35,7 @@ time is the slowest rank's; the table shows the median over all timed steps and 
 / median step time.
 
 Meter cross-check: ``hf_zeropp.comm_stats`` counts LOGICAL bytes (what each rank must deliver to each peer,
-algorithm-independent, see hf_zeropp/comm_meter.py). gloo's algorithms put a fixed multiple of that on the wire
+algorithm-independent, see hf_zeropp/comm/comm_meter.py). gloo's algorithms put a fixed multiple of that on the wire
 between nodes; with g ranks in node order, d per node, a ring crossing every node boundary once:
 
 * all-gather (gloo::allgather, ring): a node sends (g-1)/g of the buffer across, logically d(g-d)/g
@@ -44,7 +44,7 @@ between nodes; with g ranks in node order, d per node, a ring crossing every nod
   peer): 2(g-1)/g across, logically d(g-d)/g -> wire = logical x 2(g-1)/(d(g-d))   (2x2: 1.5)
 * all-to-all (pairwise): wire = logical x 1; qgZ's inter-node hop (a group of one rank per node) likewise.
 * hf_zeropp's own reduce-scatter: on gloo the cheaper of the two above, an all-to-all of the chunks plus a local
-  sum (x 1; 2x2, 4x2) or torch's ring (2x4: 0.875); see hf_zeropp.comm_meter.gloo_reduce_scatter_as_all_to_all.
+  sum (x 1; 2x2, 4x2) or torch's ring (2x4: 0.875); see hf_zeropp.comm.comm_meter.gloo_reduce_scatter_as_all_to_all.
 
 The benchmark measures these factors once per run (``probe``: each collective alone between counter reads) and
 compares, per configuration and node, the expected wire bytes (meter x factor) with the veth counters over the
@@ -55,8 +55,8 @@ weights after forward — FSDP2's root does by default — and reduce-scatter); 
 hf_zeropp's ZeRO-3 is checked against its meter (``derived_vs_meter`` in results.json).
 
 Where the time goes: ``--breakdown-steps`` extra steps per hf_zeropp configuration run under ``torch.profiler``;
-the time inside hf_zeropp's all-gather and reduce-scatter hooks (profiler ranges ``hf_zeropp.qwz.all_gather`` and
-``hf_zeropp.qgz.reduce_scatter``) and inside the ``hf_zeropp::*`` quantization kernel ops within them is read from
+the time inside hf_zeropp's all-gather and reduce-scatter hooks (profiler ranges ``hf_zeropp.comm.qwz.all_gather`` and
+``hf_zeropp.comm.qgz.reduce_scatter``) and inside the ``hf_zeropp::*`` quantization kernel ops within them is read from
 the recorded events (scripts/benchmarks/breakdown.py).
 
 The regime: every row also gets step / max(unshaped step, wire time), the unshaped step being the configuration's

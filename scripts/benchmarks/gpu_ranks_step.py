@@ -20,7 +20,7 @@ What the numbers are, and are not:
 * kernel shares: ``--profile-steps`` more steps under ``torch.profiler``, started on rank 0 only; CUPTI records the
   CUDA kernels of every rank, so both shares are of the four ranks together: CUDA time of kernels whose name contains
   "hf_zeropp" over all CUDA kernel time (memcpy, memset and the record_function ranges drawn on the GPU's timeline
-  excluded: hf_zeropp.qgz.reduce_scatter spans a whole collective, not a kernel), and over the median step's wall
+  excluded: hf_zeropp.comm.qgz.reduce_scatter spans a whole collective, not a kernel), and over the median step's wall
   time. On CPU
   the profiler records rank 0's thread alone: the second share is rank 0's CPU time in its outermost ``hf_zeropp::``
   ops over the step, and the first is n/a.
@@ -163,7 +163,8 @@ def kernel_seconds(events, device: torch.device) -> dict:
         return {"hf_zeropp_seconds": sum(ours.values()), "all_kernel_seconds": None, "hf_zeropp_kernels": ours}
     from torch.autograd import DeviceType
 
-    def annotation(event) -> bool:  # a record_function range shown on the GPU's timeline (hf_zeropp.qgz.*), no kernel
+    # a record_function range shown on the GPU's timeline (hf_zeropp.comm.qgz.*), no kernel
+    def annotation(event) -> bool:
         return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("hf_zeropp.")
 
     cuda = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]

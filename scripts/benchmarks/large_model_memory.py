@@ -107,7 +107,7 @@ def _save(model, way: str, directory: str) -> None:
     import torch.distributed as dist
 
     import hf_zeropp
-    from hf_zeropp.full_state import consolidated_state_dict
+    from hf_zeropp.engine.full_state import consolidated_state_dict
 
     if way == "per-rank":
         hf_zeropp.save_pretrained(model, directory)

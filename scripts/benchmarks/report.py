@@ -101,8 +101,8 @@ def markdown(summary: dict, args) -> str:
     if breakdown_rows:
         lines += ["", "Where the time goes (torch.profiler over extra steps, mean over ranks, seconds per step): "
                   "gather / reduce = wall time inside hf_zeropp's all-gather hook (profiler range "
-                  "hf_zeropp.qwz.all_gather: qwZ when on, else the plain gather) and gradient reduce-scatter hook "
-                  "(hf_zeropp.qgz.reduce_scatter: qgZ when on, else the plain reduce-scatter); FSDP2 calls both "
+                  "hf_zeropp.comm.qwz.all_gather: qwZ when on, else the plain gather) and gradient reduce-scatter hook "
+                  "(hf_zeropp.comm.qgz.reduce_scatter: qgZ when on, else the plain reduce-scatter); FSDP2 calls both "
                   "synchronously on CPU, so this is the whole collective. kernels = the hf_zeropp::* quantization "
                   "ops inside them, wait = the rest of those calls (gloo transfers, and peers that are still "
                   "computing: 4 ranks share 2 cores). The step column includes the profiler's own overhead."

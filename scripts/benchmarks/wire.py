@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hf_zeropp.comm_meter import gloo_reduce_scatter_as_all_to_all
+from hf_zeropp.comm.comm_meter import gloo_reduce_scatter_as_all_to_all
 
 KINDS = ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter", "grad_allreduce", "qgz_intra", "qgz_inter",
          "qgz_1d_full_precision", "torch_reduce_scatter", "hybrid_allreduce", "hybrid_reduce_scatter",

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_zeropp
-from hf_zeropp.comm_meter import all_gather_single, reduce_scatter_single
+from hf_zeropp.comm.comm_meter import all_gather_single, reduce_scatter_single
 from hf_zeropp._compat import fsdp_param_groups, group_parameters, group_reshards_after_forward
 
 from . import breakdown

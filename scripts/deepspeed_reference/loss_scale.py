@@ -2,7 +2,7 @@
 the fp16 sections hf_zeropp maps (loss_scale, initial_scale_power, loss_scale_window, hysteresis,
 consecutive_hysteresis, min_loss_scale); writes the scale after every update to
 tests/fixtures/deepspeed/loss_scale.json, which tests/test_deepspeed_training.py holds
-hf_zeropp.deepspeed_training.DeepSpeedLossScaler to.
+hf_zeropp.interop.deepspeed.training.DeepSpeedLossScaler to.
 
     DS_ACCELERATOR=cpu .venv-deepspeed/bin/python -m scripts.deepspeed_reference.loss_scale
 """

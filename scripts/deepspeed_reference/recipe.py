@@ -103,7 +103,7 @@ def single_process_run(steps: int, precision: str, lrs: list[float] | None = Non
 def train_after_save(model, optimizer, scheduler, scaler=None) -> dict:
     """The steps after the save (on every rank of a sharded model): losses averaged over the ranks, the learning
     rate each step applied, and the final weights (consolidated on rank 0)."""
-    from hf_zeropp.full_state import consolidated_state_dict
+    from hf_zeropp.engine.full_state import consolidated_state_dict
 
     losses, lrs = [], []
     for step in range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE):
@@ -128,7 +128,7 @@ def resume_under_hf_zeropp(checkpoint, record: dict, preset: str) -> dict:
     with hf_zeropp's ``preset`` from other initial weights, and train the steps after the save
     (:func:`train_after_save`, plus what ``comm_stats`` says was not restored and the fp16 loss scale)."""
     import hf_zeropp
-    from hf_zeropp.deepspeed_optim import build_scheduler
+    from hf_zeropp.interop.deepspeed.optim import build_scheduler
 
     model = tiny_gpt2(seed=5)  # other initial weights: only the checkpoint can make them right
     config = hf_zeropp.ZeroPPConfig.coerce(preset).to_dict()

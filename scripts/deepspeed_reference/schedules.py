@@ -1,5 +1,5 @@
 """DeepSpeed's own optimizers and LR schedulers, trained through its engine, recorded so that the main CI (which has
-no DeepSpeed) can hold hf_zeropp/deepspeed_optim.py to DeepSpeed's numbers.
+no DeepSpeed) can hold hf_zeropp/interop/deepspeed/optim.py to DeepSpeed's numbers.
 
 Regenerate tests/fixtures/deepspeed/optim_schedules.json with
 

@@ -78,16 +78,16 @@ from torch import nn
 
 import hf_zeropp
 from hf_zeropp._compat import AllGather, ReduceScatter
-from hf_zeropp.comm_meter import CommMeter, MeteredReduceScatter, all_gather_single, allgather_kind, check_sum
-from hf_zeropp.config import ZeroPPConfig
-from hf_zeropp.hybrid import QuantizedCrossNodeAllReduce, record_hsdp_all_reduce
+from hf_zeropp.comm.comm_meter import CommMeter, MeteredReduceScatter, all_gather_single, allgather_kind, check_sum
+from hf_zeropp.config.config import ZeroPPConfig
+from hf_zeropp.comm.hybrid import QuantizedCrossNodeAllReduce, record_hsdp_all_reduce
 from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 from hf_zeropp.kernels.reference import hadamard_rows, num_blocks
-from hf_zeropp.layout import parameter_spans
-from hf_zeropp.qgz import QuantizedReduceScatter, make_reduce_scatter
-from hf_zeropp.qwz import make_all_gather
-from hf_zeropp.state import fsdp_modules, zeropp_state
-from hf_zeropp.topology import Topology
+from hf_zeropp.comm.layout import parameter_spans
+from hf_zeropp.comm.qgz import QuantizedReduceScatter, make_reduce_scatter
+from hf_zeropp.comm.qwz import make_all_gather
+from hf_zeropp.engine.state import fsdp_modules, zeropp_state
+from hf_zeropp.comm.topology import Topology
 from hf_zeropp.testing.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,58 @@
+"""What :func:`hf_zeropp.shard_model` attaches to a model (``model._zeropp``), and how the rest of the package finds
+it and the model's FSDP units."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from ..comm.comm_meter import CommMeter
+from ..config.config import ZeroPPConfig
+from ..comm.topology import Topology
+
+
+@dataclass
+class ZeroPPState:
+    """What shard_model attaches to the model (``model._zeropp``)."""
+
+    config: ZeroPPConfig
+    topology: Topology
+    meter: CommMeter
+    units: list[nn.Module]
+    all_gathers: list = field(default_factory=list)
+    reduce_scatters: list = field(default_factory=list)
+    cross_node_all_reduce: Any = None  # hybrid-q's quantized all-reduce (hybrid.QuantizedCrossNodeAllReduce)
+    hpz_enabled: bool = False
+    replicated: Any = None  # the parameters FSDP2 cannot shard (replicated.ReplicatedParameters)
+    inference_depth: int = 0  # open gathered_for_inference blocks
+
+
+_sharded_models: weakref.WeakSet = weakref.WeakSet()  # every model shard_model returned that is still alive
+
+
+def attach(model: nn.Module, state: ZeroPPState) -> None:
+    model._zeropp = state
+    _sharded_models.add(model)
+
+
+def sharded_models() -> list[nn.Module]:
+    """The models of this process that :func:`hf_zeropp.shard_model` sharded and that are still alive."""
+    return list(_sharded_models)
+
+
+def zeropp_state(model: nn.Module) -> ZeroPPState:
+    state = getattr(model, "_zeropp", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not sharded by hf_zeropp.shard_model")
+    return state
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+__all__ = ["ZeroPPState", "attach", "fsdp_modules", "sharded_models", "zeropp_state"]
