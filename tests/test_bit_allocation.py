@@ -101,7 +101,7 @@ def test_widths_spend_the_budget_and_follow_the_scales():
 
 
 def test_a_floor_at_the_fixed_width_moves_only_the_bits_of_all_zero_blocks():
-    """The width rule held to the fixed width (scripts/experiments/fidelity.py's "bits move only from zero blocks"):
+    """The width rule held to the fixed width (scripts/experiments/fidelity/'s "bits move only from zero blocks"):
     with no
     all-zero block nothing moves, however unequal the scales; with some, every other block is at least as fine as
     in the fixed format, element by element within half a fixed-width step, and the zero blocks' bits go to the

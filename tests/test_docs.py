@@ -53,8 +53,11 @@ def test_named_repository_files_exist(page):
 
 
 def _source(script: Path) -> str:
-    """The script's source and that of the modules it imports from its own folder (its argument helpers)."""
+    """The script's source and that of the modules it imports from its own folder (its argument helpers); for a
+    package run with ``-m`` (its ``__main__.py``), every module of the package."""
     source = script.read_text()
+    if script.name == "__main__.py":
+        source += "".join(path.read_text() for path in sorted(script.parent.glob("*.py")) if path != script)
     for name in set(re.findall(r"^(?:from \.?|import )(\w+)", source, re.M)):
         local = script.parent / name
         for path in [local.with_suffix(".py"), *sorted(local.glob("*.py"))]:

@@ -1,4 +1,4 @@
-"""scripts/experiments/fidelity.py end to end on 2 emulated nodes x 2 (the mini Table 5 model, four steps of its
+"""scripts/experiments/fidelity/ end to end on 2 emulated nodes x 2 (the mini Table 5 model, four steps of its
 baseline).
 
 What must hold whatever the gradients are: the 1-D parameters sent in full precision arrive exactly (error 0,
@@ -85,9 +85,9 @@ def test_errors_summed_over_the_first_steps_of_each_window(fidelity_out, fidelit
     """The horizon table: after one step of a window error feedback has carried nothing yet (its residual is reset
     at the window's start), so its error equals plain rounding's; after two it carries the first step's error
     into the second, and its summed error falls below plain's. The last horizon is the window sum."""
-    from scripts.experiments import fidelity as script
+    from scripts.experiments.fidelity.run import horizons
 
-    assert script.horizons(1) == [1] and script.horizons(8) == [1, 2, 4, 8] and script.horizons(12) == [1, 2, 4, 8, 12]
+    assert horizons(1) == [1] and horizons(8) == [1, 2, 4, 8] and horizons(12) == [1, 2, 4, 8, 12]
     rows = _rows(fidelity, "gradients")
     plain = rows["ZeRO++ qgZ (int4/int4, block 256)"]["summed_over_steps"]
     assert list(plain) == ["1", "2"]  # JSON keys
@@ -130,23 +130,23 @@ def test_adam_normalizer_is_the_step_adam_takes():
     divided it, g' / (sqrt(v_hat) + eps) with Adam's own v; a gradient zero so far is bounded, not 1 / eps."""
     import torch
 
-    from scripts.experiments import fidelity
+    from scripts.experiments.fidelity.measures import AdamNormalizer, adam_moments
 
     param = torch.nn.Parameter(torch.zeros(2, 3))
     optimizer = torch.optim.AdamW([param], lr=0.1, betas=(0.8, 0.9), eps=1e-3)
     spans = [(param, 2, 8)]
-    first, _, hyper = fidelity.adam_moments(optimizer, spans, 10)
+    first, _, hyper = adam_moments(optimizer, spans, 10)
     assert hyper["step"] == 0 and not first.any()  # no state before the first step
     param.grad = torch.tensor([[0.5, -2.0, 1e-4], [3.0, 0.0, -0.25]])
     optimizer.step()
-    before = fidelity.adam_moments(optimizer, spans, 10)
+    before = adam_moments(optimizer, spans, 10)
     gradient = torch.tensor([[1.0, 0.5, -1e-3], [-2.0, 4.0, 0.125]], dtype=torch.float64)
     param.grad = (0.5 * gradient).float()
     optimizer.step()
-    after = fidelity.adam_moments(optimizer, spans, 10)
+    after = adam_moments(optimizer, spans, 10)
     exact = torch.zeros(10, dtype=torch.float64)
     exact[2:8] = gradient.flatten()
-    normalize = fidelity.AdamNormalizer(before, after, exact)
+    normalize = AdamNormalizer(before, after, exact)
     assert normalize.factor == pytest.approx(0.5, rel=1e-6)
     second = optimizer.state[param]["exp_avg_sq"].double().flatten() / (1 - 0.9 ** 2)
     expected = torch.zeros(10, dtype=torch.float64)
@@ -165,9 +165,9 @@ def test_deliveries_follow_what_the_driving_option_sent():
     one sent 3x too large is over-delivered; the error column keeps the given error where the energy is < 0.5."""
     import torch
 
-    from scripts.experiments import fidelity
+    from scripts.experiments.fidelity.measures import Deliveries
 
-    deliveries = fidelity.Deliveries()
+    deliveries = Deliveries()
     steps = [([1.0, 0.0, 2.0, 3.0], [1.0, 0.0, 0.0, 3.0]), ([1.0, 1.0, 2.0, 3.0], [0.0, 1.0, 0.0, 9.0])]
     before = [deliveries.observe(0, torch.tensor(sent, dtype=torch.float64), torch.tensor(exact, dtype=torch.float64),
                                  0.5) for exact, sent in steps]
@@ -176,9 +176,9 @@ def test_deliveries_follow_what_the_driving_option_sent():
     error = torch.tensor([10.0, 20.0, 30.0, 40.0], dtype=torch.float64)
     # columns: element, no exact gradient before, energy < 0.1, < 0.5, >= 2, zero share, error where < 0.5
     expected_after_one = [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 0, 1, 1, 0, 1, 30], [1, 0, 0, 0, 0, 0, 0]]
-    assert fidelity.Deliveries.bins(before[1], error).T.tolist() == expected_after_one
+    assert Deliveries.bins(before[1], error).T.tolist() == expected_after_one
     # after two: energies 0.25/0.75, 0.5/0.5, 0/3, 42.75/6.75; zeros 0.5/0.75, 0/0.5, 0.75/0.75, 0/0.75
-    bins = fidelity.Deliveries.bins(last, error).T
+    bins = Deliveries.bins(last, error).T
     assert bins[:, :5].tolist() == [[1, 0, 0, 1, 0], [1, 0, 0, 0, 0], [1, 0, 1, 1, 0], [1, 0, 0, 0, 1]]
     torch.testing.assert_close(bins[:, 5], torch.tensor([2 / 3, 0.0, 1.0, 0.0], dtype=torch.float64))
     assert bins[:, 6].tolist() == [10, 0, 30, 0]
@@ -189,7 +189,7 @@ def test_width_rule_quantizer_is_the_allocation_format(fidelity_out):
     hf_zeropp's per-block-width round trip exactly."""
     import torch
 
-    from scripts.experiments import fidelity
+    from scripts.experiments.fidelity.candidates import WIDTH_RULES
     from hf_zeropp.kernels import dequantize_allocated, quantize_allocated
     from hf_zeropp.kernels.allocation import block_widths, round_trip_with_widths
 
@@ -202,14 +202,14 @@ def test_width_rule_quantizer_is_the_allocation_format(fidelity_out):
     torch.testing.assert_close(round_trip_with_widths(rows, widths, 256), expected, rtol=0, atol=0)
     table = (fidelity_out / "results.md").read_text()
     assert "per-block widths on the inter-node hop" in table
-    assert all(f"| {rule} |" in table for rule in fidelity.WIDTH_RULES)
+    assert all(f"| {rule} |" in table for rule in WIDTH_RULES)
 
 
 def test_width_rules(fidelity):
     """The L2 rule, which is gradient_bit_allocation's, is the least-L2 one; held to the fixed width it still gains
     (the 1-D slices and unused embedding rows are all-zero blocks whose bits it moves), held to 2 bits it keeps most
     of the gain; every rule is measured both ways."""
-    from scripts.experiments.fidelity import WIDTH_RULES
+    from scripts.experiments.fidelity.candidates import WIDTH_RULES
 
     rules = {row["name"]: row for row in fidelity["width_rules"]}
     fixed, least_l2, floored, floor_two = (rules[WIDTH_RULES[i]]["all"]["relative_error"] for i in range(4))
@@ -274,13 +274,13 @@ def _engine_validation_loss(zeropp: dict, steps: int, workdir: str) -> float:
     """The Llama recipe trained ``steps`` steps by the engine with ``zeropp``, set up as fidelity's runs are."""
     from transformers import TrainerCallback
 
-    from scripts.experiments import fidelity
+    from scripts.experiments.fidelity.run import build_trainer
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_training_stop = state.global_step >= steps
 
-    trainer = fidelity.build_trainer(str(LLAMA), 16, workdir, [Stop()], zeropp)
+    trainer = build_trainer(str(LLAMA), 16, workdir, [Stop()], zeropp)
     trainer.train()
     return trainer.evaluate()["eval_loss"]
 
@@ -366,6 +366,8 @@ def _hybrid_rows_beside_the_engine() -> list[dict]:
     from hf_zeropp.engine.state import fsdp_modules, zeropp_state
     from hf_zeropp.testing.tiny_models import local_batch, make_optimizer, relative_error, tiny_gpt2
     from scripts.experiments import fidelity
+    from scripts.experiments.fidelity.hybrid_rows import relayout, unit_shapes
+    from scripts.experiments.fidelity.probes import install
 
     class KeepInput(ReduceScatter):
         """A unit's reduce-scatter, keeping a copy of its input (each rank's unreduced gradients)."""
@@ -391,7 +393,7 @@ def _hybrid_rows_beside_the_engine() -> list[dict]:
     engine = shard_model(tiny_gpt2(seed=0, n_embd=34), ZeroPPConfig.preset("hybrid-q", node_size=2))
     engine_inputs = backward(engine, zeropp_state(engine).reduce_scatters)
     world = shard_model(tiny_gpt2(seed=0, n_embd=34), ZeroPPConfig.preset("zero3", node_size=2))
-    probe = fidelity.install(world, {name: fidelity.GRADIENT_CANDIDATES[name] for name in (HYBRID_FP32, HYBRID_Q)})
+    probe = install(world, {name: fidelity.GRADIENT_CANDIDATES[name] for name in (HYBRID_FP32, HYBRID_Q)})
     probe.optimizer, probe.active = make_optimizer(world), True
     world_inputs = backward(world, probe.reduce_scatters)
     measured = {m.unit: m for m in probe.pending}
@@ -399,12 +401,12 @@ def _hybrid_rows_beside_the_engine() -> list[dict]:
     units = []
     for index, (engine_unit, world_unit) in enumerate(zip(fsdp_modules(engine), fsdp_modules(world))):
         world_input = world_inputs[index].input.view(world_size, -1)
-        shapes = fidelity.unit_shapes(world_unit, world_input.shape[1], world_size)
-        node_layout = fidelity.relayout(world_input, shapes, 2)
+        shapes = unit_shapes(world_unit, world_input.shape[1], world_size)
+        node_layout = relayout(world_input, shapes, 2)
         engine_input = engine_inputs[index].input.view(2, -1)
         spans = parameter_spans(engine_unit, True, engine_input.shape[1], 2)
         engine_sum = torch.cat([p.grad.full_tensor().reshape(1, -1) for p, _, _ in spans], dim=1) * world_size
-        engine_shard = fidelity.relayout(engine_sum, shapes, world_size)[rank].double()
+        engine_shard = relayout(engine_sum, shapes, world_size)[rank].double()
         exact, (fp32, quantized) = measured[index].exact, measured[index].results
         units.append({"shapes": [tuple(shape) for shape in shapes],
                       "layout_difference": (node_layout - engine_input).abs().max().item(),

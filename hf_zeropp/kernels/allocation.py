@@ -95,7 +95,7 @@ def _row_floors(usable: torch.Tensor, counts: torch.Tensor, budget: int, floor: 
 
     Why: with ``floor`` = the fixed format's width no block is coarser than in the fixed format, so the only bits
     that move are those the fixed format spends on all-zero blocks (the 1-D slices qgZ sends apart, embedding rows
-    no token used). scripts/experiments/fidelity.py compares that rule with the unfloored one, to tell which part of the
+    no token used). scripts/experiments/fidelity/ compares that rule with the unfloored one, to tell which part of the
     allocation's gain is free and which part takes precision from small blocks. A floor of 2 keeps most of the
     trade and only forbids sending a nonzero block as all zeros, which the unfloored rule does to the same small
     blocks step after step (starving Adam's second moment there). On the measured Llama case it ended that
@@ -131,7 +131,7 @@ def _round(blocked: torch.Tensor, absmax: torch.Tensor, widths: torch.Tensor, le
 def round_trip_with_widths(rows: torch.Tensor, widths: torch.Tensor, block_size: int) -> torch.Tensor:
     """What the format delivers for fp32 rows ``(r, L)`` (``L`` a multiple of ``block_size``) when the widths
     ``(r, blocks)`` are given instead of derived from the scales, rounding to nearest: for comparing width rules
-    (scripts/experiments/fidelity.py). With the format's own widths it equals the quantize/dequantize round trip."""
+    (scripts/experiments/fidelity/). With the format's own widths it equals the quantize/dequantize round trip."""
     blocked = rows.view(rows.shape[0], -1, block_size)
     absmax = blocked.abs().amax(-1)
     codes, _, step = _round(blocked, absmax, widths, rows.shape[-1], stochastic=False, seed=0)

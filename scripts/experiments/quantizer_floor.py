@@ -129,7 +129,7 @@ def measured_errors(path: Path) -> list[tuple[str, float, float]]:
         found.append((heading, values[PLAIN_ROW], values[BEST_ROW]))
     if not found:
         raise ValueError(f"{path} holds no gradient table with the rows {PLAIN_ROW!r} and {BEST_ROW!r}; pass a "
-                         "report written by scripts/experiments/fidelity.py")
+                         "report written by scripts/experiments/fidelity/")
     return found
 
 

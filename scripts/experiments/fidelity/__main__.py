@@ -1,0 +1,5 @@
+"""``python -m scripts.experiments.fidelity``."""
+
+from . import main
+
+raise SystemExit(main())
