@@ -116,17 +116,21 @@ def _train_both_ways(path: str, use_kernels: bool | None) -> dict:
     return results
 
 
-@pytest.mark.parametrize("use_kernels", [None, False])
-def test_a_model_kernelized_by_default_trains_sharded_as_stock_ddp_trains_it(saved, use_kernels):
+def _train_with_and_without_kernels(path: str) -> dict:
+    return {use_kernels: _train_both_ways(path, use_kernels) for use_kernels in (None, False)}
+
+
+def test_a_model_kernelized_by_default_trains_sharded_as_stock_ddp_trains_it(saved):
+    """transformers' default Hub kernels, and ``use_kernels=False``, each the same under stock DDP and zero3."""
     from hf_zeropp._compat import hub_kernels_by_default
 
-    results = run_distributed(_train_both_ways, 2, str(saved["llama_bf16"]), use_kernels)
-    for rank in results:
-        stock, ours = rank["stock"], rank["zero3"]
-        expected = hub_kernels_by_default() if use_kernels is None else False
-        assert stock["kernelized"] == ours["kernelized"] == expected
-        assert stock["mode"] == ours["mode"]
-        assert stock["losses"] == pytest.approx(ours["losses"], rel=1e-6, abs=0)
-        assert stock["losses"][-1] < stock["losses"][0]
-        for name, weight in stock["weights"].items():
-            assert torch.equal(ours["weights"][name], weight), name
+    for rank in run_distributed(_train_with_and_without_kernels, 2, str(saved["llama_bf16"])):
+        for use_kernels, ways in rank.items():
+            stock, ours = ways["stock"], ways["zero3"]
+            expected = hub_kernels_by_default() if use_kernels is None else False
+            assert stock["kernelized"] == ours["kernelized"] == expected, use_kernels
+            assert stock["mode"] == ours["mode"]
+            assert stock["losses"] == pytest.approx(ours["losses"], rel=1e-6, abs=0)
+            assert stock["losses"][-1] < stock["losses"][0]
+            for name, weight in stock["weights"].items():
+                assert torch.equal(ours["weights"][name], weight), (use_kernels, name)
