@@ -3,7 +3,7 @@
 # minimum-versions lane (scripts/test_min_versions.sh: the declared lowest torch/transformers/accelerate/peft/trl),
 # the newest-versions lane (scripts/test_newest_versions.sh) and the installed wheel (scripts/test_wheel.sh).
 # `.ci/run` calls this.
-# pytest lists the 30 slowest tests at the end, to keep the suite's time (about 19 minutes on 2 cores) in view.
+# pytest lists the 30 slowest tests at the end, to keep the suite's time (about 24 minutes on 2 cores) in view.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
