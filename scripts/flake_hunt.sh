@@ -14,10 +14,10 @@ job() {  # NAME COMMAND...: run it, keep its log and exit status
   echo "exit $?" >> "$OUT/$name.log"
 }
 for round in $(seq 1 "$ROUNDS"); do
-  job "conformance_$round" .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_conformance.py &
-  job "engine_rules_$round" .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_engine_rules.py &
+  job "conformance_$round" .venv/bin/python -m pytest -q -p no:cacheprovider tests/conformance/test_conformance.py &
+  job "engine_rules_$round" .venv/bin/python -m pytest -q -p no:cacheprovider tests/engine/test_engine_rules.py &
   wait
-  job "integrations_$round" .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_integrations.py &
+  job "integrations_$round" .venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_integrations.py &
   OMP_NUM_THREADS=1 job "demo_$round" .venv/bin/hf-zeropp launch --config_file recipes/accelerate/cpu_2x2.yaml \
     scripts/train_demo.py --output_dir "$OUT/demo" --max_steps 40 --per_device_train_batch_size 4 \
     --learning_rate 3e-3 --lr_scheduler_type constant --weight_decay 0.01 --max_grad_norm 1.0 --logging_steps 10 \

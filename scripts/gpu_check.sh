@@ -72,12 +72,14 @@ for pid in "${pids[@]}"; do wait "$pid" || echo "a build failed (pid $pid); its 
 
 step "CUDA tests"
 timeout 200 $PYTHON -m pytest -q -p no:cacheprovider -rfEs -n ${TEST_WORKERS:-8} -k cuda \
-    tests/test_kernels.py tests/test_hadamard.py tests/test_kernel_fuzz.py > "$OUT/tests_kernels.txt" 2>&1
+    tests/kernels/test_kernels.py tests/kernels/test_hadamard.py tests/kernels/test_kernel_fuzz.py \
+    > "$OUT/tests_kernels.txt" 2>&1
 tail -25 "$OUT/tests_kernels.txt"
 
 step "4 ranks (2 nodes x 2) of ZeRO++ on the one GPU, a CUDA stream per rank, against the same ranks on CPU"
 wait "$cpu_build" || echo "the CPU kernels failed to build"
-timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rfEs tests/test_threaded_ranks.py > "$OUT/tests_ranks.txt" 2>&1
+timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rfEs tests/testing/test_threaded_ranks.py \
+    > "$OUT/tests_ranks.txt" 2>&1
 grep -E "passed|failed|^(FAILED|ERROR|SKIPPED)" "$OUT/tests_ranks.txt"
 
 step "kernel bandwidth"
@@ -90,8 +92,8 @@ done
 
 step "the same 4 ranks under torch's CUDA stream sanitizer"
 skipped sanitizer || {
-    TORCH_CUDA_SANITIZER=1 timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rfEs tests/test_threaded_ranks.py \
-        -k sanitizer > "$OUT/tests_sanitizer.txt" 2>&1
+    TORCH_CUDA_SANITIZER=1 timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -rfEs \
+        tests/testing/test_threaded_ranks.py -k sanitizer > "$OUT/tests_sanitizer.txt" 2>&1
     grep -E "passed|failed|^(FAILED|ERROR|SKIPPED)|CUDASanitizer|data race" "$OUT/tests_sanitizer.txt" | head -20
 }
 

@@ -29,4 +29,5 @@ PY
   "${PIP[@]}" install "${MINIMUMS[@]}" pyyaml "pytest>=8" "pytest-timeout>=2.3" "tokenizers>=0.21" "ninja>=1.11"
   "${PIP[@]}" install --no-deps -e .
 fi
-"$VENV/bin/python" -m pytest -q tests/test_conformance.py -k "(zero3 or zeropp) and not another_world_size" "$@"
+"$VENV/bin/python" -m pytest -q tests/conformance/test_conformance.py \
+    -k "(zero3 or zeropp) and not another_world_size" "$@"

@@ -36,8 +36,8 @@ if [ -z "$newer" ] && [ "${LANE_FULL:-0}" != 1 ]; then
   exit 0
 fi
 echo "newest versions: ${newer:-the locked ones}; the compat, conformance, launch and loading tests on them"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_compat.py tests/test_conformance.py \
-    tests/test_launch.py tests/test_hf_checkpoint.py tests/test_large_models.py "$@" || {
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/compat/test_compat.py tests/conformance/test_conformance.py \
+    tests/integrations/test_launch.py tests/interop/test_hf_checkpoint.py tests/engine/test_large_models.py "$@" || {
   echo "the newest-versions lane failed with ${newer:-the locked versions} (hf_zeropp/_compat/locked-versions.txt)"
   exit 1
 }

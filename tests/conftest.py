@@ -1,10 +1,10 @@
 """Fixtures shared by several test modules: the faulty 4-rank runs (a rank SIGKILLed mid-step, another mid-save)
-that both ``tests/test_rank_failures.py`` and ``tests/test_exact_resume.py`` examine. Session-scoped, so each run
-happens once however many of those modules are collected. And the compiles of the CUDA sources and of their torch
-binding (``tests/test_cuda_sources.py``), started in the background when collection ends, their tests run last. And
-the one launch of stock scripts given DeepSpeed configs that ``tests/test_deepspeed_training.py`` and
-``tests/test_deepspeed_checkpoint.py`` both examine; it and the other launch fixtures registered with
-``tests/background.py`` also start when collection ends."""
+that both ``tests/reliability/test_rank_failures.py`` and ``tests/reliability/test_exact_resume.py`` examine.
+Session-scoped, so each run happens once however many of those modules are collected. And the compiles of the CUDA
+sources and of their torch binding (``tests/kernels/test_cuda_sources.py``), started in the background when collection
+ends, their tests run last. And the one launch of stock scripts given DeepSpeed configs that
+``tests/interop/test_deepspeed_training.py`` and ``tests/checkpoint/test_deepspeed_checkpoint.py`` both examine; it and
+the other launch fixtures registered with ``tests/background.py`` also start when collection ends."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import pytest
 
 import background
 from faults import FAULT_AT, SAVE_AT, faulty_run, run_spec
+from launching import STOCK_CPU, hf_zeropp_launch
+from paths import DEEPSPEED_FIXTURES, LAUNCH_SCRIPTS
 
 
 @pytest.fixture(scope="session")
@@ -46,25 +48,24 @@ def killed_mid_save(resume_dir):
 
 @background.launches("deepspeed_config_runs")
 def _deepspeed_config_launch(work: Path) -> Path:
-    from test_deepspeed_checkpoint import TRAINER
-    from test_deepspeed_training import CONFIGS, RUNS
-    from test_launch import SCRIPTS, STOCK_CPU, _hf_zeropp_launch
+    runs = json.loads((DEEPSPEED_FIXTURES / "training_runs.json").read_text())
+    trainer = DEEPSPEED_FIXTURES / "checkpoints" / "trainer_zero3_bf16_w4"
 
     def run(script: str, *args) -> str:
         return shlex.join([f"tests/launch_scripts/{script}.py", *map(str, args)])
 
     def configs(path: str) -> list[Path]:
-        return [CONFIGS / f"{name}.json" for name in sorted(RUNS[path])]
+        return [DEEPSPEED_FIXTURES / "configs" / f"{name}.json" for name in sorted(runs[path])]
 
-    _hf_zeropp_launch(
-        "--config_file", str(STOCK_CPU), str(SCRIPTS / "run_each.py"),
+    hf_zeropp_launch(
+        "--config_file", str(STOCK_CPU), str(LAUNCH_SCRIPTS / "run_each.py"),
         run("deepspeed_trainer", "--deepspeed_configs", *configs("trainer"), "--record", work / "trainer.json",
-            "--output_dir", work / "trainer", *RUNS["trainer_arguments"]),
+            "--output_dir", work / "trainer", *runs["trainer_arguments"]),
         run("deepspeed_accelerate", "--deepspeed_configs", *configs("accelerate"),
             "--record", work / "accelerate.json"),
-        run("trainer_resumable", "--deepspeed", TRAINER / "ds_config.json",
-            *json.loads((TRAINER / "arguments.json").read_text()), "--output_dir", work / "resumed",
-            "--resume_from_checkpoint", TRAINER / "checkpoint-6"))
+        run("trainer_resumable", "--deepspeed", trainer / "ds_config.json",
+            *json.loads((trainer / "arguments.json").read_text()), "--output_dir", work / "resumed",
+            "--resume_from_checkpoint", trainer / "checkpoint-6"))
     return work
 
 
@@ -80,9 +81,9 @@ def deepspeed_config_runs() -> Path:
 
 
 # ---------------------------------------------------------------- compiles in the background
-# tests/test_cuda_sources.py compiles each .cu file for sm_80 and sm_90 with nvcc, about 130 CPU-seconds in all, and
-# checks the torch binding with g++ against torch's headers, about 10 s: the longest single tests of the suite. Those
-# compiles depend on nothing the other tests do, so they start, at the lowest CPU priority, as soon as collection
+# tests/kernels/test_cuda_sources.py compiles each .cu file for sm_80 and sm_90 with nvcc, about 130 CPU-seconds in all,
+# and checks the torch binding with g++ against torch's headers, about 10 s: the longest single tests of the suite.
+# Those compiles depend on nothing the other tests do, so they start, at the lowest CPU priority, as soon as collection
 # ends, and their tests run last and only wait for what is left: the compilers take the CPU time the other tests leave
 # idle (a launch's workers waiting for each other, a timeout running out) instead of a stretch of their own. Same
 # commands, same sources, same checks as compiling in the tests.

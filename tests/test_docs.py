@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from transformers import TrainingArguments
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 REPO_PATH = re.compile(r"(?<![\w/.$-])((?:scripts|recipes|tests|hf_zeropp|cuda|docs)/[\w./*{},<>-]*[\w*}>])")

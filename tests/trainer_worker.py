@@ -1,5 +1,5 @@
 """One rank of a ZeroPPTrainer run that can crash in the middle of writing a Trainer checkpoint (the Trainer
-checkpoint tests, ``tests/test_trainer_checkpoints.py``).
+checkpoint tests, ``tests/reliability/test_trainer_checkpoints.py``).
 
 Usage: ``python tests/trainer_worker.py SPEC.json`` under :mod:`rank_launcher` (RANK, WORLD_SIZE, MASTER_ADDR, ...
 in the environment; Accelerate creates the process group). The spec::

@@ -4,7 +4,7 @@
 Torch FSDP2's custom-collective base classes and parameter-group internals, ``torch._C`` and process-group
 internals, transformers' model-init and Trainer hooks, and Accelerate's prepared-object registry are reached only
 through these names; the rest of hf_zeropp imports them from ``hf_zeropp._compat``. Each entry says what it reaches
-into and carries the versions it was checked on. ``tests/test_compat.py`` exercises every entry against the
+into and carries the versions it was checked on. ``tests/compat/test_compat.py`` exercises every entry against the
 installed versions, so an upstream rename fails there with the upstream symbol named (``UPSTREAM`` maps entry ->
 symbol).
 

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-# entry -> the upstream symbol it reaches into (named in tests/test_compat.py's failure messages)
+# entry -> the upstream symbol it reaches into (named in tests/compat/test_compat.py's failure messages)
 UPSTREAM: dict[str, str] = {
     "is_accelerate_prepared": "accelerate: the _is_accelerate_prepared flag Accelerator.prepare sets",
     "accelerator_models": "accelerate.Accelerator._models",

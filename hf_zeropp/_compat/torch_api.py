@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# entry -> the upstream symbol it reaches into (named in tests/test_compat.py's failure messages)
+# entry -> the upstream symbol it reaches into (named in tests/compat/test_compat.py's failure messages)
 UPSTREAM: dict[str, str] = {
     "AllGather": "torch.distributed.fsdp._fully_shard._fsdp_api.AllGather",
     "ReduceScatter": "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# entry -> the upstream symbol it reaches into (named in tests/test_compat.py's failure messages)
+# entry -> the upstream symbol it reaches into (named in tests/compat/test_compat.py's failure messages)
 UPSTREAM: dict[str, str] = {
     "no_split_modules": "transformers.PreTrainedModel._no_split_modules",
     "run_init_with_hooks": "transformers.PreTrainedModel._initialize_weights (+ initialize_weights)",

@@ -7,7 +7,7 @@ on every rank with the same message instead of hanging a job.
 
 Every field carries its documentation (``field(metadata={"doc": ...})``), the subject it belongs to, and, for an
 enumeration, a ``typing.Literal`` annotation that :meth:`ZeroPPConfig._check_fields` checks generically. The
-README's option table is :func:`option_table` (tests/test_config.py keeps the two equal).
+README's option table is :func:`option_table` (tests/config/test_config.py keeps the two equal).
 """
 
 from __future__ import annotations

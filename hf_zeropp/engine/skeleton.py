@@ -5,7 +5,8 @@ since 5.25 ``from_pretrained`` kernelizes the model for the device it is placed 
 refuses ``meta`` (and transformers has steered users away from meta loading before). The supported way to build a
 model without memory is the one Accelerate documents for big models: the model class built from its config under
 ``torch.device("meta")``. Everything ``from_pretrained`` would decide besides the weights is decided here the same
-way, so the skeleton has the names, shapes and dtypes stock loading gives (``tests/test_skeleton.py`` compares them):
+way, so the skeleton has the names, shapes and dtypes stock loading gives (``tests/engine/test_skeleton.py`` compares
+them):
 
 * the config, with ``from_pretrained``'s extra keyword arguments applied to it as transformers applies them;
 * the dtype: the one asked for, or ``"auto"`` (transformers 5's default) resolved from the config, else from the

@@ -1,6 +1,6 @@
-"""The patterns the conformance suite (tests/test_conformance.py) runs once under stock Accelerate / Trainer / TRL
-and once under hf_zeropp, and ``scripts/conformance_table.py`` prints side by side. Each pattern function runs on
-every rank of one launch (:func:`hf_zeropp.testing.spawn.run_distributed`) for one mode — ``"stock"`` or an
+"""The patterns the conformance suite (tests/conformance/test_conformance.py) runs once under stock Accelerate /
+Trainer / TRL and once under hf_zeropp, and ``scripts/conformance_table.py`` prints side by side. Each pattern function
+runs on every rank of one launch (:func:`hf_zeropp.testing.spawn.run_distributed`) for one mode — ``"stock"`` or an
 hf_zeropp preset — and returns what the suite compares: losses, gradient norms, state dicts, saved files' tensors,
 logits of the saved models reloaded with plain transformers."""
 

@@ -9,7 +9,7 @@ the caller's stream), and returns once its outputs are written. Everything a ran
 the ordering its own code gives it, which is what a stream check has to see.
 
 On CPU the same harness runs the ranks of the tests as threads instead of processes; it is checked there against
-gloo processes (tests/test_threaded_ranks.py).
+gloo processes (tests/testing/test_threaded_ranks.py).
 """
 
 from __future__ import annotations

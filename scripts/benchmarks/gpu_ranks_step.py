@@ -2,7 +2,8 @@
 """One GPU, 4 ranks: the training step of GPT-2 355M (bf16) under ZeRO-3, ZeRO++ (qwZ INT8 + hpZ + qgZ INT4),
 hybrid-q, and ZeRO++ with ``cpu_offload``, with the ranks as threads of one process
 (:mod:`hf_zeropp.testing.threaded_ranks`, a CUDA stream each; 2 nodes x 2 ranks through ``node_size``, as
-tests/test_threaded_ranks.py does): step time, peak memory and the share of the step spent in hf_zeropp's kernels.
+tests/testing/test_threaded_ranks.py does): step time, peak memory and the share of the step spent in hf_zeropp's
+kernels.
 
     python -m scripts.benchmarks.gpu_ranks_step --out out/gpu_ranks_step      # on a GPU, kernels built (~1.5 min)
     python -m scripts.benchmarks.gpu_ranks_step --device cpu --hidden 64 --layers 2 --vocab 256 --seq 32 \

@@ -21,7 +21,8 @@ GPT-2 from config (hidden 256, 4 layers, 4 heads, vocab 1024: 3.44 M frozen para
 ``--generations`` sampled completions of ``--new-tokens`` tokens for each of ``--prompts`` prompts, computes
 reference log-probs (no grad), the policy's log-probs, a GRPO loss (group-normalised reward advantages, KL to the
 reference with beta 0.04), backward and an AdamW step. It is a hand-written loop, not TRL's trainer, so that the
-configurations can be interleaved; tests/test_conformance.py checks TRL's GRPOTrainer behind the mixin against stock.
+configurations can be interleaved; tests/conformance/test_conformance.py checks TRL's GRPOTrainer behind the mixin
+against stock.
 
 Timing: ``--warmup`` steps per configuration, then ``--rounds`` rounds of one step each, the order rotating every
 round. Times are the slowest rank's; the table shows medians. Generation tokens/s per rank = completion tokens one

@@ -3,7 +3,7 @@ accelerate_deepspeed_example.py: ``DummyOptim`` / ``DummyScheduler`` chosen from
 ``accelerator.state.deepspeed_plugin``) under ``accelerate launch`` with an Accelerate YAML of ``distributed_type:
 DEEPSPEED`` naming a DeepSpeed config with ``optimizer`` and ``scheduler`` sections
 (tests/fixtures/deepspeed/accelerate_example/); writes tests/fixtures/deepspeed/accelerate_example.json, which the
-main CI compares the same launch under ``hf-zeropp launch`` with (tests/test_deepspeed_training.py).
+main CI compares the same launch under ``hf-zeropp launch`` with (tests/interop/test_deepspeed_training.py).
 
 Two runs on 2 CPU ranks: the config as it is (DeepSpeed's own Adam kernel), and with ``torch_adam: true`` (DeepSpeed
 steps torch's AdamW, as hf_zeropp does); each records the learning rate applied at every optimizer step, the

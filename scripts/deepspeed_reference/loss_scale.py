@@ -1,7 +1,7 @@
 """DeepSpeed's fp16 dynamic loss scaler (``deepspeed.runtime.fp16.loss_scaler``) fed fixed overflow patterns, for
 the fp16 sections hf_zeropp maps (loss_scale, initial_scale_power, loss_scale_window, hysteresis,
 consecutive_hysteresis, min_loss_scale); writes the scale after every update to
-tests/fixtures/deepspeed/loss_scale.json, which tests/test_deepspeed_training.py holds
+tests/fixtures/deepspeed/loss_scale.json, which tests/interop/test_deepspeed_training.py holds
 hf_zeropp.interop.deepspeed.training.DeepSpeedLossScaler to.
 
     DS_ACCELERATOR=cpu .venv-deepspeed/bin/python -m scripts.deepspeed_reference.loss_scale

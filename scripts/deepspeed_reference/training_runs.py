@@ -1,7 +1,7 @@
 """DeepSpeed itself training the configs in tests/fixtures/deepspeed/configs through a stock Trainer script and a
 stock Accelerate script (tests/launch_scripts/deepspeed_trainer.py, deepspeed_accelerate.py), on 4 CPU ranks and on
 one process with the same global batch; writes tests/fixtures/deepspeed/training_runs.json, which the main CI
-compares hf_zeropp's runs of the same scripts with (tests/test_deepspeed_training.py).
+compares hf_zeropp's runs of the same scripts with (tests/interop/test_deepspeed_training.py).
 
 Per path and config: the learning rate applied at every optimizer step, the logged learning rate (Trainer), the
 losses and gradient norms, at world size 4 and 1, and at world size 4 once more with ``torch_adam: true`` in the
@@ -29,7 +29,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "deepspeed"
 CONFIGS = FIXTURES / "configs"
 SCRIPTS = ROOT / "tests" / "launch_scripts"
 # The Transformers documentation's configs write "auto" optimizer betas and eps, which only the Trainer fills
-# (Accelerate refuses them: tests/test_deepspeed_training.py checks that hf_zeropp refuses them the same way)
+# (Accelerate refuses them: tests/interop/test_deepspeed_training.py checks that hf_zeropp refuses them the same way)
 TRAINER_ONLY = ("zero3_docs", "zero2_docs", "zero3_no_offload")
 STEPS, WARMUP, LR, WEIGHT_DECAY, MICRO_BATCH = 12, 4, 1e-2, 0.01, 2
 

@@ -51,15 +51,15 @@ unit exactly inside the node and averages the node partial sums across nodes wit
 default) reduce-scatter and all-gather, and preset hybrid does that all-reduce in fp32 (FSDP2's HSDP). Its FSDP2
 shards a unit over one node's ranks, so the blocks fall on that layout of the unit's buffer: HybridReduceScatter
 lays each rank's unreduced gradients out so, runs the engine's own cross-node all-reduce, and cuts this rank's world
-shard from the result. tests/test_fidelity.py checks the layout and the result against the engine's hybrid-q. Their
-cross-node bytes are the all-reduce's alone (no weight crosses nodes under hybrid sharding); the fp32 row equals the
-exact reduce-scatter to fp32 rounding, a check of the emulation.
+shard from the result. tests/scripts/test_fidelity.py checks the layout and the result against the engine's hybrid-q.
+Their cross-node bytes are the all-reduce's alone (no weight crosses nodes under hybrid sharding); the fp32 row equals
+the exact reduce-scatter to fp32 rounding, a check of the emulation.
 
 ``--candidate`` measures only the named gradient rows (after ZeRO++'s own), which makes long windows affordable.
 ``--drive`` trains on one candidate's results instead of the exact ones, so every candidate is measured along that
 candidate's own trajectory rather than the baseline's, and normalized by that run's Adam state (qgZ only: forward
-weights stay exact, so the run is the engine's qgZ-only training, which tests/test_fidelity.py checks). An option
-can look harmless on the baseline's trajectory and not on its own: Adam's second moment adapts to what the option
+weights stay exact, so the run is the engine's qgZ-only training, which tests/scripts/test_fidelity.py checks). An
+option can look harmless on the baseline's trajectory and not on its own: Adam's second moment adapts to what the option
 delivers, e.g. shrinks where blocks keep getting no bits. Every run reports the validation loss where it stops, so a
 driven run and the baseline on the same seed and batches compare in loss too.
 """

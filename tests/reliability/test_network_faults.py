@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from hf_zeropp.testing.emulated_network import loss_problem, namespaces_problem
 
-ROOT = Path(__file__).resolve().parent.parent
 ZEROPP = {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True}
 STEPS = 150
 PG_TIMEOUT = 60  # seconds; longer than the flap

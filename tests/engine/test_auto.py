@@ -77,8 +77,8 @@ def test_pick_prefers_the_more_accurate_candidate_unless_the_other_is_margin_fas
 
 def _choose_with(links: Links | None, free_bytes: float | None, node_size: int):
     """Shard a tiny GPT-2 with preset auto, the probe replaced by ``links`` (None: measure) and the free memory by
-    ``free_bytes``, without the trial (the prediction alone decides: tests/test_auto_trial.py times the first batch);
-    the chosen config, the comm_stats note, and the losses of 3 steps."""
+    ``free_bytes``, without the trial (the prediction alone decides: tests/engine/test_auto_trial.py times the first
+    batch); the chosen config, the comm_stats note, and the losses of 3 steps."""
     import os
 
     import torch.distributed as dist

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from hf_zeropp import PRESETS, ZeroPPConfig
 from hf_zeropp.comm.topology import Topology
@@ -26,9 +27,7 @@ def test_presets_and_dict_round_trip():
 
 def test_every_preset_has_its_config_file_in_recipes():
     """recipes/zeropp/<preset>.yaml is the same configuration as the preset (the files are what the docs show)."""
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parent.parent / "recipes" / "zeropp"
+    folder = ROOT / "recipes" / "zeropp"
     for path in sorted(folder.glob("*.yaml")):
         assert ZeroPPConfig.from_file(path) == ZeroPPConfig.preset(path.stem), path.name
     accurate = ZeroPPConfig.preset("zeropp-accurate")
@@ -39,7 +38,7 @@ def test_every_preset_has_its_config_file_in_recipes():
 def test_rlhf_recipes_hold_valid_configs_and_the_full_size_one_gathers_once_per_generate_call():
     import yaml
 
-    folder = Path(__file__).resolve().parent.parent / "recipes" / "lora_rlhf"
+    folder = ROOT / "recipes" / "lora_rlhf"
     configs = {path.stem: ZeroPPConfig.coerce(yaml.safe_load(path.read_text())["training"]["zeropp"])
                for path in sorted(folder.glob("*.yaml"))}
     assert set(configs) == {"mini", "qwen2.5-0.5b_gsm8k"}
@@ -55,12 +54,11 @@ def test_every_training_recipe_loads_to_a_valid_config_and_its_own_output_folder
     and no two recipes of a study write to the same output folder (a copied recipe that kept its base's folder
     would overwrite that run)."""
 
-    root = Path(__file__).resolve().parent.parent
     from scripts.train_gpt import load_recipe
 
     for folder in ("gpt350m_pile", "gpt350m_pile/mini", "experiments/gpt350m_mini",
                    *(f"experiments/{case}" for case in STUDY_CASES)):
-        paths = sorted((root / "recipes" / folder).glob("*.yaml"))
+        paths = sorted((ROOT / "recipes" / folder).glob("*.yaml"))
         assert len(paths) >= 3, folder
         outputs = {}
         for path in paths:
@@ -75,11 +73,10 @@ def test_study_recipes_build_their_model_family():
     """Each accuracy case's baseline builds the family it names, with positions for its sequence length; a misspelt
     family stops with its name."""
 
-    root = Path(__file__).resolve().parent.parent
     from scripts.train_gpt import build_model, load_recipe
 
     for folder in ("gpt350m_pile/mini", *(f"experiments/{case}" for case in STUDY_CASES if case != "llama_stdlib")):
-        recipe = load_recipe(root / "recipes" / folder / "zero3.yaml")
+        recipe = load_recipe(ROOT / "recipes" / folder / "zero3.yaml")
         seq_len = int(recipe["data"]["seq_len"])
         model = build_model(recipe["model"], 256, seq_len)
         assert model.config.model_type == recipe["model"].get("family", "gpt2"), folder
@@ -262,12 +259,11 @@ def test_readme_option_table_matches_the_field_docs_and_defaults():
     an option that does not exist."""
     import dataclasses
     import re
-    from pathlib import Path
 
     from hf_zeropp.config.config import option_table
     from hf_zeropp.config.field_types import render_default
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     start = readme.index("| option | default | meaning |")
     table = readme[start:].split("\n\n", 1)[0].strip()
     rows = {}

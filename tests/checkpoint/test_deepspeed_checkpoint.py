@@ -7,7 +7,7 @@ bf16 and fp16, DeepSpeed's own scheduler, a universal checkpoint made by ``ds_to
 over the next steps. hf_zeropp resumes each on another world size and preset and must give the same learning rates
 and, for losses and final weights, stay within twice DeepSpeed's own distance from one process training the same
 steps unsharded (the bound when hf_zeropp is as close to that process as DeepSpeed is; fp32 runs have a floor of
-1e-6). The live comparisons with DeepSpeed running are in tests/test_deepspeed_lane.py.
+1e-6). The live comparisons with DeepSpeed running are in tests/checkpoint/test_deepspeed_checkpoint_lane.py.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from paths import DEEPSPEED_FIXTURES, ROOT
 
 from hf_zeropp.interop.deepspeed.checkpoint import find_deepspeed_folder, read_deepspeed_checkpoint
 from hf_zeropp.checkpoint.deepspeed_convert import convert_deepspeed_checkpoint
@@ -29,8 +30,7 @@ from hf_zeropp.checkpoint.deepspeed_restore import load_deepspeed_checkpoint
 from hf_zeropp.testing.spawn import run_distributed
 from scripts.deepspeed_reference import recipe
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "deepspeed" / "checkpoints"
+FIXTURES = DEEPSPEED_FIXTURES / "checkpoints"
 TRAINER = FIXTURES / "trainer_zero3_bf16_w4"
 SAVED_AT = recipe.STEPS_BEFORE_SAVE
 FLOOR = 1e-6

@@ -29,13 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from paths import ROOT
 
 from hf_zeropp.testing.spawn import run_distributed
 from scripts.deepspeed_reference import checkpoints, recipe
 
 pytestmark = pytest.mark.deepspeed
 
-ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = checkpoints.FIXTURES
 FLOOR = 1e-6
 LIVE = ("zero3_bf16_w4", "zero1_fp32_w2")

@@ -22,6 +22,8 @@ from pathlib import Path
 import background
 import pytest
 import torch
+from launching import hf_zeropp_launch
+from paths import DEEPSPEED_FIXTURES
 
 import hf_zeropp
 from hf_zeropp.interop.deepspeed.config import deepspeed_key_table, options_from_deepspeed
@@ -30,11 +32,9 @@ from hf_zeropp.interop.deepspeed.training import (DeepSpeedLossScaler, check_bat
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import full_parameters, make_optimizer, tiny_gpt2, train
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "deepspeed"
-CONFIGS = FIXTURES / "configs"
-RUNS = json.loads((FIXTURES / "training_runs.json").read_text())
-EXAMPLE = json.loads((FIXTURES / "accelerate_example.json").read_text())
+CONFIGS = DEEPSPEED_FIXTURES / "configs"
+RUNS = json.loads((DEEPSPEED_FIXTURES / "training_runs.json").read_text())
+EXAMPLE = json.loads((DEEPSPEED_FIXTURES / "accelerate_example.json").read_text())
 FP32_FLOOR = 1e-6
 
 
@@ -250,7 +250,7 @@ def _our_scales(fp16: dict, pattern: list[int], scaler: DeepSpeedLossScaler | No
 
 
 def test_loss_scaler_follows_deepspeeds_rule(one_rank_group):
-    fixture = json.loads((FIXTURES / "loss_scale.json").read_text())
+    fixture = json.loads((DEEPSPEED_FIXTURES / "loss_scale.json").read_text())
     for name, case in fixture["cases"].items():
         scales, stops_at, _ = _our_scales(case["fp16"], fixture["pattern"])
         assert (scales, stops_at) == (case["scales"], case["stops_at"]), name
@@ -336,9 +336,9 @@ def test_losses_and_gradient_norms_equal_deepspeed_with_torchs_adam_within_its_o
 def test_losses_and_gradient_norms_equal_deepspeeds_own_adam_within_the_distance_of_its_two_adams(launched, path,
                                                                                                   name):
     """Against DeepSpeed with its own fused Adam kernel, whose rounding differs from torch's by about 2e-7 of a
-    weight per step (tests/test_deepspeed_optim.py) and, through Adam's division by the root of the second moment,
-    moves gradient norms by up to 5e-6 over 12 steps: hf_zeropp lies within DeepSpeed's own distance between its two
-    Adam kernels, plus its distance from a single process."""
+    weight per step (tests/interop/test_deepspeed_optim.py) and, through Adam's division by the root of the second
+    moment, moves gradient norms by up to 5e-6 over 12 steps: hf_zeropp lies within DeepSpeed's own distance between its
+    two Adam kernels, plus its distance from a single process."""
     ours, reference = launched[path][name], RUNS[path][name]
     for quantity in ("loss", "grad_norm"):
         kernels = _distance(reference["world4"][quantity], reference["world4_torch_adam"][quantity])
@@ -349,10 +349,8 @@ def test_losses_and_gradient_norms_equal_deepspeeds_own_adam_within_the_distance
 
 @background.launches("accelerate_example_run")
 def _accelerate_example_launch(work: Path) -> dict:
-    from test_launch import _hf_zeropp_launch
-
-    _hf_zeropp_launch("--config_file", str(FIXTURES / "accelerate_example" / "accelerate.yaml"), EXAMPLE["script"],
-                      *EXAMPLE["arguments"], "--record", str(work / "record.json"))
+    hf_zeropp_launch("--config_file", str(DEEPSPEED_FIXTURES / "accelerate_example" / "accelerate.yaml"),
+                     EXAMPLE["script"], *EXAMPLE["arguments"], "--record", str(work / "record.json"))
     return json.loads((work / "record.json").read_text())
 
 
@@ -471,7 +469,7 @@ def test_loss_scaler_fixture_is_what_this_deepspeed_writes():
     import deepspeed
     import deepspeed.comm
 
-    fixture = json.loads((FIXTURES / "loss_scale.json").read_text())
+    fixture = json.loads((DEEPSPEED_FIXTURES / "loss_scale.json").read_text())
     if not deepspeed.comm.is_initialized():  # the scaler says on rank 0 what it did
         for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29682", RANK="0", LOCAL_RANK="0",
                                 WORLD_SIZE="1").items():

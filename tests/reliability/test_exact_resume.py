@@ -1,8 +1,8 @@
 """Exact resume: 20 steps, checkpoint at 10, killed at 15, resumed from 10: steps 11-20 bit-identical to an
 uninterrupted run, for ZeRO-3, ZeRO++ (2 emulated nodes x 2), ZeRO++ with stochastic rounding and ZeRO++ with qgZ
 error feedback; until the fault the faulty runs match the uninterrupted one. The faulty runs (``killed_mid_step``,
-``killed_mid_save`` in ``conftest.py``) are shared with ``tests/test_rank_failures.py``. The soak (hundreds of
-steps, memory flat) is ``scripts/soak.py``, not a test: it runs for minutes."""
+``killed_mid_save`` in ``conftest.py``) are shared with ``tests/reliability/test_rank_failures.py``. The soak (hundreds
+of steps, memory flat) is ``scripts/soak.py``, not a test: it runs for minutes."""
 
 from __future__ import annotations
 

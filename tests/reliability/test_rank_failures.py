@@ -2,7 +2,7 @@
 backward, makes every other rank exit non-zero within the process-group timeout. Uses plain per-rank processes
 (:mod:`rank_launcher` running ``tests/fault_worker.py``) so that every survivor's own exit code and exit time are
 observed. The faulty runs (``killed_mid_step``, ``killed_mid_save`` in ``conftest.py``) are shared with
-``tests/test_exact_resume.py``. Pins fixes (their docstrings say what used to go wrong): the timeout of
+``tests/reliability/test_exact_resume.py``. Pins fixes (their docstrings say what used to go wrong): the timeout of
 hf_zeropp's node groups, and ``run_distributed`` noticing a dead rank at once."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 tensors where a GPU is visible) must equal the plain-torch reference on CPU ("reference") bit for bit on *any* input
 the public API accepts.
 
-``tests/test_kernels.py`` checks hand-picked shapes; here hypothesis draws the shapes (0 and 1 elements, primes,
+``tests/kernels/test_kernels.py`` checks hand-picked shapes; here hypothesis draws the shapes (0 and 1 elements, primes,
 lengths that leave tail blocks), dtypes (fp32/fp16/bf16), bits, block sizes (odd ones only where 8-bit allows
 them), memory layouts (transposed, strided, offset views) and values (NaN, ±Inf, denormals, all-zero blocks, values
 so small that the block scale underflows, values near the dtype's maximum), with stochastic rounding on and off.

@@ -2,8 +2,8 @@
 and check that resident memory stays flat after warm-up — no growth of comm buffers, hpZ secondary shards, meters or
 autograd state from step to step. Marked slow (about 4 minutes), so the default test run leaves it out:
 
-    .venv/bin/python -m pytest -m slow tests/test_soak.py -s                  # 500 steps
-    SOAK_STEPS=2000 .venv/bin/python -m pytest -m slow tests/test_soak.py -s  # longer
+    .venv/bin/python -m pytest -m slow tests/reliability/test_soak.py -s                  # 500 steps
+    SOAK_STEPS=2000 .venv/bin/python -m pytest -m slow tests/reliability/test_soak.py -s  # longer
 
 Every 25 steps each rank samples its RSS (psutil) and the number of live torch tensors (gc); rank 0 prints one line
 with every rank's figures, and the test prints per rank the RSS after warm-up and at the end, the growth between them,

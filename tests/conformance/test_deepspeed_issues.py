@@ -2,8 +2,8 @@
 nearest size this machine allows (gloo ranks, nodes emulated with ``node_size``) and compared with stock numerics —
 the unsharded model trained in one process on the global batch, or stock Accelerate / Trainer (DDP) in the same
 launch. fp32 without quantization (ZeRO-3, hpZ alone) must equal stock to 1e-6 relative; a quantized run must stay
-within the quantization's error (the bounds of tests/test_conformance.py and tests/test_zeropp.py) and finite.
-What cannot be supported is refused with an error naming the value and the alternative.
+within the quantization's error (the bounds of tests/conformance/test_conformance.py and tests/comm/test_zeropp.py) and
+finite. What cannot be supported is refused with an error naming the value and the alternative.
 
 The table, with what hf_zeropp does for each report: docs/deepspeed-issues.md. Scenarios are batched into a few
 launches (module fixtures) to keep the module's runtime low.
@@ -30,9 +30,10 @@ EXACT = 1e-6  # relative: the same arithmetic up to reduction order
 # steps' reduction-order noise in near-zero gradients into updates: measured up to 1.0e-6 by step 4 (world 3)
 EXACT_GRAD_NORM = 1e-5
 # Quantized against stock, relative: every step's loss within 2 % over these few steps at lr 1e-2 (the bound of
-# tests/test_conformance.py); the first step's gradient norm (same weights, only the reduction differs) within 5 %
-# (tests/test_zeropp.py's bound; measured <= 1 % here) — this pins qgZ's averaging (D x the mean would be 100 % off).
-# Later gradient norms follow each trajectory (up to 22 % apart by step 4), so they are only checked finite.
+# tests/conformance/test_conformance.py); the first step's gradient norm (same weights, only the reduction differs)
+# within 5 % (tests/comm/test_zeropp.py's bound; measured <= 1 % here) — this pins qgZ's averaging (D x the mean would
+# be 100 % off). Later gradient norms follow each trajectory (up to 22 % apart by step 4), so they are only checked
+# finite.
 QUANTIZED_LOSS, QUANTIZED_GRAD_NORM = 0.02, 0.05
 LR = 1e-2
 STEPS = 4
@@ -258,7 +259,7 @@ def test_4885_frozen_int8_lora_in_bf16_trains_as_stock(precision):
     empty — qwZ + hpZ + qgZ on the adapters), 2 nodes x 2: it trains, every loss finite and within 2 % of stock
     Accelerate (DDP, bf16 autocast; on this tiny random model LoRA barely moves the loss in 4 steps, so the check is
     closeness and finiteness); the adapters' master weights stay fp32. One backward of the same setup against
-    a stock model holding the INT8 values: tests/test_frozen.py::test_bf16_compute_tracks_the_reference."""
+    a stock model holding the INT8 values: tests/engine/test_frozen.py::test_bf16_compute_tracks_the_reference."""
     runs = precision["ranks"][0]["lora_bf16"]
     stock, ours = runs["stock"], runs["zeropp-lora"]
     assert ours["frozen_int8_bytes"] > 0
@@ -780,10 +781,10 @@ def test_7707_trainer_resume_from_checkpoint_in_the_same_process(loading):
 @pytest.mark.parametrize("key", ["offload_param", "offload_optimizer"])
 def test_6926_hpz_with_cpu_offload_maps_to_cpu_offload_policy_and_nvme_is_refused(key):
     """#6926 (hpZ with CPU offload): a DeepSpeed config asking for hpZ with a CPU offload gets hpZ and FSDP2's
-    CPUOffloadPolicy (``cpu_offload``), which compose: tests/test_deepspeed_training.py trains ZeRO++ (hpZ included)
-    offloaded and not, to the same numbers. NVMe offload is refused by the config mapper, ``ZeroPPConfig.coerce``
-    and the Trainer's ``--deepspeed``, before any process group exists, naming the key and the alternative; DeepSpeed's
-    spelling of "no offload" is accepted."""
+    CPUOffloadPolicy (``cpu_offload``), which compose: tests/interop/test_deepspeed_training.py trains ZeRO++ (hpZ
+    included) offloaded and not, to the same numbers. NVMe offload is refused by the config mapper,
+    ``ZeroPPConfig.coerce`` and the Trainer's ``--deepspeed``, before any process group exists, naming the key and the
+    alternative; DeepSpeed's spelling of "no offload" is accepted."""
     import hf_zeropp
     from hf_zeropp.interop.deepspeed.config import options_from_deepspeed
 

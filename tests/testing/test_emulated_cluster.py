@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from hf_zeropp.testing import emulated_cluster, emulated_network
 
-ROOT = Path(__file__).resolve().parent.parent
 
 _PROBLEM = emulated_network.namespaces_problem()
 needs_cluster = pytest.mark.skipif(_PROBLEM is not None, reason=f"emulated cluster unavailable: {_PROBLEM}")

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,62 +22,16 @@ import background
 import pytest
 import torch
 import yaml
+from launching import BIN, STOCK_CPU, free_port, hf_zeropp_launch, run_launch, stock_launch
+from paths import LAUNCH_SCRIPTS, ROOT
 
 from hf_zeropp.integrations.deepspeed_plugin import PLUGIN_VARIABLE
 from hf_zeropp.integrations.launch import launch
 from hf_zeropp.testing import emulated_network
 from hf_zeropp.testing.tiny_models import save_tiny_gpt2_with_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
-BIN = Path(sys.executable).parent
-STOCK_CPU = ROOT / "recipes" / "accelerate" / "cpu_4proc.yaml"
 ONE_FILE_2X2 = ROOT / "recipes" / "accelerate" / "cpu_2x2.yaml"  # zeropp preset, node_size 2
 EXACT = 1e-6
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-# With torch 2.13 on gloo, a stock script that never destroys its process group sometimes aborts as its process exits,
-# after it has finished and written its results: gloo's worker threads still hold work when Python finalizes (about 1
-# launch in 5 under load). That is stock's own exit, so a stock launch may end that way; the results are compared in
-# full. The launcher's workers destroy their group at exit, so an hf-zeropp launch must end with 0.
-EXIT_ABORT = "terminate called without an active exception"
-
-
-def _aborted_at_exit(output: str) -> bool:
-    return EXIT_ABORT in output and ("(SIGABRT)" in output or "exitcode: -6" in output)
-
-
-def _run(command: list[str], env: dict[str, str] | None = None, timeout: int = 300, stock: bool = False) -> str:
-    full_env = {**background.environ(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    for name in [n for n in full_env if n.startswith("ZEROPP_")]:
-        if env is None or name not in env:
-            del full_env[name]  # only what a test sets reaches the launch
-    result = background.run(command, timeout, cwd=ROOT, env=full_env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 or (stock and _aborted_at_exit(output)), _first_failure(output)
-    return output
-
-
-def _first_failure(output: str) -> str:
-    """From the first traceback on (a failing rank's own error comes before the launcher's summary), and the end."""
-    lines = output.splitlines()
-    first = next((i for i, line in enumerate(lines) if "Traceback" in line or "Fatal" in line), max(0, len(lines) - 80))
-    return "\n".join(lines[first:first + 80] + ["..."] + lines[-30:])
-
-
-def _hf_zeropp_launch(*args: str, env: dict[str, str] | None = None) -> str:
-    return _run([str(BIN / "hf-zeropp"), "launch", "--main_process_port", _port(), *args], env)
-
-
-def _stock_launch(*args: str, env: dict[str, str] | None = None) -> str:
-    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(STOCK_CPU), "--main_process_port", _port(),
-                 *args], {"ACCELERATE_USE_CPU": "true", **(env or {})}, stock=True)
 
 
 def _close(actual: list[float], expected: list[float], rel: float) -> bool:
@@ -124,11 +77,11 @@ def _trl_data(work: Path) -> None:
 
 @background.launches("one_file_runs", prepare=_trl_data)
 def _one_file_launches(work: Path) -> dict:
-    output = _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(SCRIPTS / "accelerate_patterns.py"),
+    output = hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(LAUNCH_SCRIPTS / "accelerate_patterns.py"),
                                "--output", str(work / "launched"))
 
     def ported(preset: str, script: str, *args: str) -> str:
-        return shlex.join([f"ZEROPP_CONFIG={preset}", "ZEROPP_NODE_SIZE=2", str(SCRIPTS / script), *args])
+        return shlex.join([f"ZEROPP_CONFIG={preset}", "ZEROPP_NODE_SIZE=2", str(LAUNCH_SCRIPTS / script), *args])
 
     imported = [ported("zeropp", "accelerate_patterns_imported.py", "--output", str(work / "imported"))]
     if (work / "base").is_dir():
@@ -137,12 +90,12 @@ def _one_file_launches(work: Path) -> dict:
             return ["--dataset_name", str(work / f"{kind}_data"), "--output_dir", str(work / f"{kind}_{way}"),
                     "--model_name_or_path", str(work / "base"), *TRL_ARGS]
 
-        _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(SCRIPTS / "run_each.py"),
+        hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(LAUNCH_SCRIPTS / "run_each.py"),
                           shlex.join(["-m", "trl.scripts.sft", *data("sft", "launched")]),
                           shlex.join(["-m", "trl.scripts.dpo", *data("dpo", "launched"), "--zeropp", "zero3"]))
         imported += [ported(preset, "trl_script_imported.py", kind, *data(kind, "imported"))
                      for kind, preset in (("sft", "zeropp"), ("dpo", "zero3"))]
-    _stock_launch(str(SCRIPTS / "run_each.py"), *imported)
+    stock_launch(str(LAUNCH_SCRIPTS / "run_each.py"), *imported)
     return {"work": work, "output": output}
 
 
@@ -221,10 +174,10 @@ def _launch_on_two_machines(*args: str) -> None:
     """``hf-zeropp launch --num_machines 2 ... ARGS`` once per machine, 2 processes each: on the emulated cluster (a
     network namespace per node) where this machine allows it, else as two machines on this host."""
     options = ["--config_file", str(STOCK_CPU), "--num_machines", "2", "--num_processes", "4",
-               "--main_process_port", _port()]
+               "--main_process_port", free_port()]
     if emulated_network.namespaces_problem() is None:
         per_node = 'exec "$0" launch --machine_rank "$ZPP_NODE_RANK" --main_process_ip "$ZPP_MASTER_ADDR" "$@"'
-        _run([sys.executable, "-m", "hf_zeropp.testing.emulated_cluster", "--nodes", "2", "--nproc-per-node", "2",
+        run_launch([sys.executable, "-m", "hf_zeropp.testing.emulated_cluster", "--nodes", "2", "--nproc-per-node", "2",
               "--link", "none", "--raw", "--", "sh", "-c", per_node, str(BIN / "hf-zeropp"), *options, *args])
         return
     env = {**background.environ(), "OMP_NUM_THREADS": "1"}
@@ -247,29 +200,29 @@ def _save_scripts_model(folder: Path) -> Path:
 
 @background.launches("trainer_runs", prepare=lambda work: _save_scripts_model(work / "pretrained"))
 def _trainer_launches(work: Path) -> dict[str, list[dict]]:
-    script = str(SCRIPTS / "trainer_example.py")
+    script = str(LAUNCH_SCRIPTS / "trainer_example.py")
     # stock loads, with from_pretrained, the very weights the script builds itself (seed 0) in the other runs: it
     # is the reference of all of them, and of the zero3 run, whose script loads them too
     pretrained = work / "pretrained"
-    stock = _stock_launch(script, "--output_dir", str(work / "stock"), "--model_name_or_path", str(pretrained),
+    stock = stock_launch(script, "--output_dir", str(work / "stock"), "--model_name_or_path", str(pretrained),
                           *TRAINER_ARGS)
     # the one-file YAML asks for zeropp; the launcher's --zeropp overrides it. With --load_in_slices the script's
     # from_pretrained builds the model on meta and each rank reads its slices of the folder stock loads whole
-    zero3 = _hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "--zeropp", "zero3", "--load_in_slices", script,
+    zero3 = hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "--zeropp", "zero3", "--load_in_slices", script,
                               "--output_dir", str(work / "zero3"), "--model_name_or_path", str(pretrained),
                               *TRAINER_ARGS)
     deepspeed = work / "ds_config.json"
     deepspeed.write_text(json.dumps(DEEPSPEED_ZEROPP))
     # --deepspeed=FILE on 2 emulated nodes, in a launch of its own: the launcher reads the script's flag; then the
     # FSDP flags
-    deepspeed_output = _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(
+    deepspeed_output = hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(
         work / "deepspeed"), f"--deepspeed={deepspeed}", *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
-    fsdp = _hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "fsdp"),
+    fsdp = hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "fsdp"),
                              *TRAINER_ARGS, "--fsdp", "full_shard auto_wrap", "--fsdp_config",
                              json.dumps(TRAINER_FSDP_CONFIG))
     accelerate_deepspeed = _write_yaml(work / "deepspeed.yaml", distributed_type="DEEPSPEED", deepspeed_config={
         "deepspeed_config_file": str(deepspeed), "zero3_init_flag": True})
-    accelerate_deepspeed_output = _hf_zeropp_launch(
+    accelerate_deepspeed_output = hf_zeropp_launch(
         "--config_file", accelerate_deepspeed, script, "--output_dir", str(work / "accelerate_deepspeed"),
         *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
     # two machines of 2 ranks: the node size comes from the launch itself
@@ -379,7 +332,7 @@ def test_trl_scripts_under_the_launcher_equal_the_ported_scripts(trl_runs, kind)
     """TRL's own ``trl.scripts.sft`` (ZeRO++ from the one-file YAML) and ``trl.scripts.dpo`` (a reference model too;
     ``--zeropp zero3`` parsed by TRL's own argument parser), unmodified: the same losses, bit for bit, as the scripts
     with their trainer ported to hf_zeropp's mixin by hand, and hf_zeropp's bytes in their logs. (The TRL trainers
-    behind the mixin against stock TRL: tests/test_conformance.py.)"""
+    behind the mixin against stock TRL: tests/conformance/test_conformance.py.)"""
     launched, imported = trl_runs[f"{kind}_launched"], trl_runs[f"{kind}_imported"]
     assert len(_series(launched, "loss")) == 3
     for key in ("loss", "grad_norm"):
@@ -399,7 +352,7 @@ def test_trl_scripts_under_the_launcher_equal_the_ported_scripts(trl_runs, kind)
 def test_a_failing_worker_ends_the_launch_with_its_traceback(tmp_path):
     """The rank that failed first: its traceback is the last thing printed, below the other ranks' errors."""
     result = subprocess.run([str(BIN / "hf-zeropp"), "launch", "--config_file", str(STOCK_CPU), "--num_processes", "2",
-                             "--main_process_port", _port(), str(SCRIPTS / "fails_on_rank_1.py")], cwd=ROOT,
+                             "--main_process_port", free_port(), str(LAUNCH_SCRIPTS / "fails_on_rank_1.py")], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     ending = result.stderr[result.stderr.rindex("hf-zeropp launch: the workers failed"):].splitlines()
@@ -408,14 +361,14 @@ def test_a_failing_worker_ends_the_launch_with_its_traceback(tmp_path):
     assert ending[1].startswith("Traceback") and ending[-1] == "RuntimeError: rank 1 fails on purpose"
 
 
-FAILS_ON_ONE_RANK = str(SCRIPTS / "zeropp_fails_on_one_rank.py")
+FAILS_ON_ONE_RANK = str(LAUNCH_SCRIPTS / "zeropp_fails_on_one_rank.py")
 FIRST_FAILURE = "RuntimeError: rank 3 fails on purpose"
 
 
 def _on_two_machines(command: list[str], machine_rank_flag: str, port_flag: str) -> list[str]:
     """``command SCRIPT`` started once per emulated machine (2 x 2 ranks on this one, rank 3 failing), with the
     machine's rank and a shared port; each one's output."""
-    port = _port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIL_RANK": "3"}
     machines = [subprocess.Popen([*command, machine_rank_flag, str(machine), port_flag, port, FAILS_ON_ONE_RANK],
                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -456,7 +409,7 @@ def test_under_stock_torchrun_every_machine_ends_with_the_first_failures_traceba
 
 def test_under_stock_accelerate_launch_the_summary_ends_with_the_failing_ranks_traceback():
     result = subprocess.run([str(BIN / "accelerate"), "launch", "--config_file", str(STOCK_CPU), "--num_processes", "2",
-                             "--main_process_port", _port(), FAILS_ON_ONE_RANK], cwd=ROOT, capture_output=True,
+                             "--main_process_port", free_port(), FAILS_ON_ONE_RANK], cwd=ROOT, capture_output=True,
                             text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                          "ACCELERATE_USE_CPU": "true", "FAIL_RANK": "1"})
     assert result.returncode != 0
@@ -483,7 +436,7 @@ def _refused(capsys, *argv: str) -> str:
 
 
 def test_bad_input_is_one_line_before_any_worker_starts(tmp_path, capsys):
-    script = str(SCRIPTS / "trainer_example.py")
+    script = str(LAUNCH_SCRIPTS / "trainer_example.py")
     line = _refused(capsys, "--config_file", _write_yaml(tmp_path / "a.yaml", zeropp={"stage": 3, "qwz": True}),
                     script)
     assert "unknown hf_zeropp option(s) ['qwz']" in line
@@ -523,7 +476,7 @@ def test_the_scripts_deepspeed_config_is_refused_before_any_worker_starts(tmp_pa
     """A config the script's ``--deepspeed`` gives its Trainer (both spellings) is checked against the launch here,
     as a config the launch names is: DeepSpeed's batch-size rule at the launch's 4 ranks, the key named with the fix;
     so is what the Trainer would refuse or silently not apply beside it."""
-    script = str(SCRIPTS / "trainer_example.py")
+    script = str(LAUNCH_SCRIPTS / "trainer_example.py")
     batch = _write_json(tmp_path / "batch.json", {**DEEPSPEED_ZEROPP, "train_batch_size": 64,
                                                   "train_micro_batch_size_per_gpu": 2,
                                                   "gradient_accumulation_steps": 1})
@@ -550,9 +503,9 @@ def test_restarts_get_a_fresh_store_per_round_and_stock_torchrun_is_told_how(tmp
     from hf_zeropp.integrations.launch import parser, prepare
 
     args = parser().parse_args(["--config_file", str(STOCK_CPU), "--max_restarts", "1", "--rdzv_backend", "c10d",
-                                str(SCRIPTS / "trainer_example.py")])
+                                str(LAUNCH_SCRIPTS / "trainer_example.py")])
     assert prepare(args, tmp_path)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
-    args = parser().parse_args(["--config_file", str(STOCK_CPU), str(SCRIPTS / "trainer_example.py")])
+    args = parser().parse_args(["--config_file", str(STOCK_CPU), str(LAUNCH_SCRIPTS / "trainer_example.py")])
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in prepare(args, tmp_path)
     assert restart_problem({"TORCHELASTIC_MAX_RESTARTS": "0"}) is None
     assert restart_problem({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) is None
@@ -602,7 +555,7 @@ def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(
     from hf_zeropp import ZeroPPConfig
     from hf_zeropp.integrations.launch import parser, prepare
 
-    script = str(SCRIPTS / "trainer_example.py")
+    script = str(LAUNCH_SCRIPTS / "trainer_example.py")
     config_file = _write_yaml(tmp_path / "in.yaml", distributed_type="MULTI_CPU", use_cpu=True,
                               zeropp={"preset": "zeropp", "node_size": 2})
     args = parser().parse_args(["--config_file", config_file, script, "--max_steps", "1"])
@@ -616,7 +569,7 @@ def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(
     assert args.training_script_args == [script, "--max_steps", "1"]
     resolved = ZeroPPConfig.from_dict(json.loads(environment["ZEROPP_CONFIG"]))
     assert resolved == ZeroPPConfig.preset("zeropp", node_size=2)
-    assert environment["PYTHONPATH"].split(os.pathsep)[0] == str(SCRIPTS)
+    assert environment["PYTHONPATH"].split(os.pathsep)[0] == str(LAUNCH_SCRIPTS)
 
     args = parser().parse_args(["--config_file", config_file, "--zeropp", "zero2", script])
     assert json.loads(prepare(args, tmp_path)["ZEROPP_CONFIG"]) == ZeroPPConfig.preset("zero2").to_dict()

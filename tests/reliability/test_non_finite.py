@@ -1,7 +1,7 @@
 """Non-finite values: a NaN/Inf in one rank's gradient stays non-finite through qgZ on the owning rank (never
 masked, never leaked to another rank's shard) and makes the global grad norm non-finite; a NaN/Inf in one rank's
 weight shard reaches every rank through qwZ. What fp16 loss scaling then does with such a step is in
-``tests/test_fp16_loss_scaling.py``."""
+``tests/reliability/test_fp16_loss_scaling.py``."""
 
 from __future__ import annotations
 

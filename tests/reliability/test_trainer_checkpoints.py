@@ -13,8 +13,9 @@ import pytest
 
 from faults import PG_TIMEOUT
 from rank_launcher import launch, last_error_line
+from paths import TESTS
 
-TRAINER_WORKER = Path(__file__).resolve().parent / "trainer_worker.py"
+TRAINER_WORKER = TESTS / "trainer_worker.py"
 
 
 @pytest.fixture(scope="module")

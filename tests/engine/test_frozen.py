@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from paths import ROOT
 
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import global_batch, tiny_gpt2, with_stored_int8_values
@@ -169,12 +170,10 @@ def test_single_gpu_end_to_end_script_equals_stock_on_cpu(tmp_path):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-m", "scripts.benchmarks.gpu_e2e", "--device", "cpu", "--hidden", "64", "--layers",
                     "2", "--batch", "2", "--seq", "32", "--new-tokens", "6", "--train-steps", "3", "--warmup", "0", "--rounds", "1",
-                    "--out", str(tmp_path)], cwd=root, check=True, capture_output=True, timeout=300)
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=300)
     report = json.loads((tmp_path / "gpu_e2e.json").read_text())
     checks = report["correctness"]
     compiled = report["compiled_backend"]

@@ -23,9 +23,10 @@ EXACT_MODES = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "hybrid": 4}  # mod
 QUANTIZED_MODES = {"zeropp": 4, "hybrid-q": 4}
 NODE_SIZE = 2
 EXACT = 1e-6
-# ZeRO++ (INT8 weights, INT4 gradients) and hybrid-q (INT4 cross-node gradients) against stock, relative: each step's loss as tests/test_zeropp.py allows
-# (5 %), the whole model's weights as tests/test_conformance.py (15 %), and each replicated parameter's movement from
-# its initial value as the weights (its gradient comes from quantized activations)
+# ZeRO++ (INT8 weights, INT4 gradients) and hybrid-q (INT4 cross-node gradients) against stock, relative: each step's
+# loss as tests/comm/test_zeropp.py allows (5 %), the whole model's weights as tests/conformance/test_conformance.py
+# (15 %), and each replicated parameter's movement from its initial value as the weights (its gradient comes from
+# quantized activations)
 QUANTIZED = {"loss": 0.05, "weights": 0.15}
 
 
@@ -164,7 +165,7 @@ def test_trains_as_stock(runs, references, mode, kind):
     for got, expected in zip(ours["scalars"], stock["scalars"]):
         assert _close(got, expected, EXACT), (ours["scalars"], stock["scalars"])
     assert stock["scalars"][-1] != stock["scalars"][0]  # the 0-d parameters moved
-    # the whole model, L2: 1e-5 as tests/test_engine.py (Adam turns reduction-order noise in near-zero gradients,
+    # the whole model, L2: 1e-5 as tests/engine/test_engine.py (Adam turns reduction-order noise in near-zero gradients,
     # k_proj's bias has only those, into whole updates: 3e-6 measured at this lr)
     assert relative_error(*_flat(ours["weights"], stock["weights"])) <= 1e-5
 

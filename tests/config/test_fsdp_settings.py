@@ -21,6 +21,7 @@ import background
 import pytest
 import torch
 import yaml
+from paths import LAUNCH_SCRIPTS, ROOT
 
 from hf_zeropp import ZeroPPConfig
 from hf_zeropp.config import fsdp_settings
@@ -33,9 +34,8 @@ from hf_zeropp.integrations.launch import LOAD_IN_SLICES, launch, parser, prepar
 from hf_zeropp.testing.tiny_models import tiny_gpt2
 from hf_zeropp.comm.topology import Topology
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "launch_scripts" / "fsdp_accelerate.py"
-TRAINER_SCRIPT = str(Path(__file__).resolve().parent / "launch_scripts" / "trainer_example.py")
+SCRIPT = LAUNCH_SCRIPTS / "fsdp_accelerate.py"
+TRAINER_SCRIPT = str(LAUNCH_SCRIPTS / "trainer_example.py")
 BIN = Path(sys.executable).parent
 STOCK_CPU = ROOT / "recipes" / "accelerate" / "cpu_4proc.yaml"
 EXACT = 1e-6
@@ -307,8 +307,8 @@ def _run(command: list[str], env: dict[str, str]) -> str:
     full_env = {name: value for name, value in background.environ().items() if not name.startswith("ZEROPP_")}
     result = background.run(command, 300, cwd=ROOT, env={**full_env, "OMP_NUM_THREADS": "1", **env})
     output = result.stdout + result.stderr
-    # stock scripts may abort as gloo finalizes after they finished (tests/test_launch.py, EXIT_ABORT); the results
-    # are written before, and compared in full
+    # stock scripts may abort as gloo finalizes after they finished (tests/integrations/test_launch.py, EXIT_ABORT); the
+    # results are written before, and compared in full
     aborted = "terminate called without an active exception" in output and "ACCELERATE_USE_CPU" in env
     assert result.returncode == 0 or aborted, output[-6000:]
     return output

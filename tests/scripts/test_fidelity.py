@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = ROOT / "scripts"
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +241,7 @@ def test_the_recipe_decides_the_model_family(tmp_path):
     starts."""
     from scripts.experiments import fidelity
 
-    recipe = Path(__file__).resolve().parent.parent / "recipes/experiments/llama_python_docs/zero3.yaml"
+    recipe = ROOT / "recipes/experiments/llama_python_docs/zero3.yaml"
     with pytest.raises(SystemExit, match="'Hadamard 63' is not a row of the table; choose from 'ZeRO"):
         fidelity.main(["--recipe", str(recipe), "--candidate", "Hadamard 63", "--out", str(tmp_path)])
     assert fidelity.main(["--recipe", str(recipe), "--topologies", "2x2", "--steps", "0", "--window", "1",
@@ -267,7 +268,7 @@ def test_the_quantizer_floor_reads_the_fidelity_report(fidelity_out, fidelity):
     assert best == pytest.approx(rows[quantizer_floor.BEST_ROW]["all"]["relative_error"], abs=5e-5)
 
 
-LLAMA = Path(__file__).resolve().parent.parent / "recipes/experiments/llama_python_docs/zero3.yaml"
+LLAMA = ROOT / "recipes/experiments/llama_python_docs/zero3.yaml"
 
 
 def _engine_validation_loss(zeropp: dict, steps: int, workdir: str) -> float:

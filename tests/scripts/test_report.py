@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _write_run(folder: Path, recipe: str, losses: list[float], seed: int | None = None) -> None:

@@ -12,10 +12,10 @@ from pathlib import Path
 import background
 import pytest
 import torch
+from paths import ROOT
 
 from hf_zeropp.testing.spawn import run_distributed
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RUN_EACH = "tests/launch_scripts/run_each.py"  # a script once per argument string, in one launch
 

@@ -1,9 +1,9 @@
 """Bad input: every invalid configuration, environment variable, file or call fails with a message naming the value
 and the fix, before any collective.
 
-Most of the README's table is tested in ``tests/test_config.py``,
-``tests/test_integrations.py::test_bad_inputs_of_the_integrations`` and
-``tests/test_kernels.py::test_bad_inputs_name_the_value_and_the_fix``; the cases they miss are here
+Most of the README's table is tested in ``tests/config/test_config.py``,
+``tests/integrations/test_integrations.py::test_bad_inputs_of_the_integrations`` and
+``tests/kernels/test_kernels.py::test_bad_inputs_name_the_value_and_the_fix``; the cases they miss are here
 (``MORE_BAD_CONFIGS``, ``test_bad_inputs_outside_the_config``). Several tests pin fixes (their docstrings say what
 used to go wrong): the DeepSpeed bf16+fp16 clash and the wrap_modules and ZEROPP_NODE_SIZE messages.
 """

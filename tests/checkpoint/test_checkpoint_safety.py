@@ -1,7 +1,7 @@
 """Crash-safe checkpoints: a SIGKILL at each point of ``save_checkpoint`` (a forked single process, cheap) leaves the
 previous checkpoint as ``latest_checkpoint()`` and loadable, and the next save of the same name cleans up what the
-crash left. A rank killed in the middle of a 4-rank save is in ``tests/test_rank_failures.py``; the Trainer's
-partial ``checkpoint-<step>`` folders are in ``tests/test_trainer_checkpoints.py``."""
+crash left. A rank killed in the middle of a 4-rank save is in ``tests/reliability/test_rank_failures.py``; the
+Trainer's partial ``checkpoint-<step>`` folders are in ``tests/reliability/test_trainer_checkpoints.py``."""
 
 from __future__ import annotations
 

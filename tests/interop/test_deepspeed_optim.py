@@ -16,17 +16,17 @@ from __future__ import annotations
 import json
 import random
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from paths import DEEPSPEED_FIXTURES
 
 from hf_zeropp.interop.deepspeed.optim import (SCHEDULERS, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR,
                                                WarmupLR, build_optimizer, build_scheduler, check_optimizer,
                                                check_scheduler)
 from scripts.deepspeed_reference.schedules import PARAM_STEPS, STEPS, hyperparameters, param_groups, record, tiny_model
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "deepspeed" / "optim_schedules.json").read_text())
+FIXTURE = json.loads((DEEPSPEED_FIXTURES / "optim_schedules.json").read_text())
 CASES = {case["name"]: case for case in FIXTURE["cases"]}
 SCHEDULED = [name for name, case in CASES.items() if case["scheduler"] and case["scheduler"]["type"] in SCHEDULERS]
 
