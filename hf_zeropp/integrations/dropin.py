@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import importlib.util
 import json
 import os
 import runpy
@@ -51,7 +50,6 @@ import accelerate.accelerator
 import accelerate.utils
 import accelerate.utils.deepspeed
 import torch.distributed as dist
-from transformers import HfArgumentParser, PreTrainedModel, Trainer, TrainingArguments
 
 from .._compat.tested_versions import untested_line
 from .accelerate_integration import Accelerator
@@ -62,7 +60,7 @@ from ..engine.materialize import load_in_slices
 from ..engine.runtime import comm_stats
 from ..engine.state import sharded_models, zeropp_state
 from ..comm.topology import Topology
-from .trainer import ZeroPPTrainerMixin, take_deepspeed_config, take_fsdp_config, with_zeropp_field
+from .post_import import after_import, forget_pending
 
 _originals: dict[tuple[Any, str], Any] = {}
 
@@ -80,37 +78,44 @@ def installed() -> bool:
 
 
 def install(load_in_slices: bool = False) -> None:
-    """Make the stock names listed in the module docstring run on hf_zeropp (idempotent)."""
+    """Make the stock names listed in the module docstring run on hf_zeropp (idempotent).
+
+    The Trainer's, the argument parsers' and ``from_pretrained``'s replacements are made when the script first imports
+    their modules (at once where it already has): a script that never imports the Trainer does not pay for importing
+    it, about 3 CPU seconds per rank."""
     if installed():
         return
-    if load_in_slices:
-        _install_loading_in_slices()
     _replace(accelerate, "Accelerator", Accelerator)
     _replace(accelerate.accelerator, "Accelerator", Accelerator)
     for name in ("DummyOptim", "DummyScheduler"):  # exported by accelerate.utils only when DeepSpeed is importable
         if not hasattr(accelerate.utils, name):
             _replace(accelerate.utils, name, getattr(accelerate.utils.deepspeed, name))
-    _replace(Trainer, "__init__", _with_mixin_at_init(Trainer.__init__))
-    for parser_class in _argument_parsers():
+    if load_in_slices:
+        after_import("transformers.modeling_utils", lambda module: _install_loading_in_slices())
+    after_import("transformers.trainer", _install_in_trainer)
+    after_import("transformers.hf_argparser", _install_in_argument_parser)
+    after_import("trl.scripts._hf_argparser", _install_in_argument_parser)  # TRL >= 1.0 parses with its own copy
+    after_import("transformers.training_args", _install_in_training_arguments)
+
+
+def _install_in_trainer(module: Any) -> None:
+    _replace(module.Trainer, "__init__", _with_mixin_at_init(module.Trainer.__init__))
+
+
+def _install_in_argument_parser(module: Any) -> None:
+    parser_class = module.HfArgumentParser
+    if (parser_class, "__init__") not in _originals:  # a module re-exporting transformers' class: changed once
         _replace(parser_class, "__init__", _with_zeropp_fields(parser_class.__init__))
-    _replace(TrainingArguments, "__post_init__",
-             _taking_fsdp_config(_taking_deepspeed_config(TrainingArguments.__post_init__)))
 
 
-def _argument_parsers() -> list[type]:
-    """transformers' HfArgumentParser, and TRL's own copy of it (TRL >= 1.0 parses its configs with that one)."""
-    parsers = [HfArgumentParser]
-    if importlib.util.find_spec("trl") is not None:
-        try:
-            from trl.scripts._hf_argparser import HfArgumentParser as TrlArgumentParser
-        except ImportError:  # TRL before 1.0: TrlParser subclasses transformers' parser
-            return parsers
-        parsers.append(TrlArgumentParser)
-    return parsers
+def _install_in_training_arguments(module: Any) -> None:
+    arguments = module.TrainingArguments
+    _replace(arguments, "__post_init__", _taking_fsdp_config(_taking_deepspeed_config(arguments.__post_init__)))
 
 
 def uninstall() -> None:
     """Give the stock names their stock values back."""
+    forget_pending()
     for (owner, name), value in _originals.items():
         if value is _ABSENT:
             delattr(owner, name)
@@ -122,6 +127,8 @@ def uninstall() -> None:
 @functools.cache
 def _class_with_mixin(trainer_class: type) -> type:
     """``trainer_class`` with the mixin in front, under the same name (what its logs and errors show)."""
+    from .trainer import ZeroPPTrainerMixin
+
     return type(trainer_class.__name__, (ZeroPPTrainerMixin, trainer_class),
                 {"__module__": trainer_class.__module__, "__qualname__": trainer_class.__qualname__,
                  "__doc__": trainer_class.__doc__})
@@ -130,6 +137,8 @@ def _class_with_mixin(trainer_class: type) -> type:
 def _with_mixin_at_init(stock_init: Any) -> Any:
     @functools.wraps(stock_init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from .trainer import ZeroPPTrainerMixin  # at call time: it imports the modules being changed
+
         if not isinstance(self, ZeroPPTrainerMixin):  # a script that already uses the mixin keeps its class
             self.__class__ = _class_with_mixin(type(self))
         stock_init(self, *args, **kwargs)
@@ -139,6 +148,8 @@ def _with_mixin_at_init(stock_init: Any) -> Any:
 def _with_zeropp_fields(stock_init: Any) -> Any:
     @functools.wraps(stock_init)
     def __init__(self, dataclass_types: Any = None, **kwargs: Any) -> None:
+        from .trainer import with_zeropp_field
+
         if dataclass_types is not None:
             types = [dataclass_types] if isinstance(dataclass_types, type) else list(dataclass_types)
             dataclass_types = [with_zeropp_field(t) if _lacks_zeropp_field(t) else t for t in types]
@@ -147,11 +158,15 @@ def _with_zeropp_fields(stock_init: Any) -> Any:
 
 
 def _lacks_zeropp_field(dataclass_type: Any) -> bool:
+    from transformers import TrainingArguments
+
     return (isinstance(dataclass_type, type) and issubclass(dataclass_type, TrainingArguments)
             and "zeropp" not in getattr(dataclass_type, "__dataclass_fields__", {}))
 
 
 def _install_loading_in_slices() -> None:
+    from transformers import PreTrainedModel
+
     if (PreTrainedModel, "from_pretrained") not in _originals:
         _replace(PreTrainedModel, "from_pretrained", _loading_in_slices(PreTrainedModel.__dict__["from_pretrained"]))
 
@@ -172,6 +187,8 @@ def _loading_in_slices(stock: classmethod) -> classmethod:
 def _taking_deepspeed_config(stock_post_init: Any) -> Any:
     @functools.wraps(stock_post_init)
     def __post_init__(self) -> None:
+        from .trainer import take_deepspeed_config
+
         take_deepspeed_config(self)
         stock_post_init(self)
     return __post_init__
@@ -183,6 +200,8 @@ def _taking_fsdp_config(stock_post_init: Any) -> Any:
     arguments)."""
     @functools.wraps(stock_post_init)
     def __post_init__(self) -> None:
+        from .trainer import take_fsdp_config
+
         take_fsdp_config(self)  # a no-op where a ZeroPP TrainingArguments class has taken them already
         stock_post_init(self)
         settings = remembered()

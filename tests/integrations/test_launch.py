@@ -543,8 +543,31 @@ print("ok")
 """
 
 
-def test_import_installs_nothing_and_uninstall_restores_stock():
-    result = subprocess.run([sys.executable, "-c", _CHECK_INSTALL], capture_output=True, text=True, timeout=120)
+_CHECK_INSTALL_BEFORE_IMPORT = """
+import sys
+from hf_zeropp.integrations import dropin
+dropin.install()
+deferred = ("transformers.trainer", "transformers.training_args", "transformers.hf_argparser")
+assert not any(name in sys.modules for name in deferred), [name for name in deferred if name in sys.modules]
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+changed = lambda: [f.__code__.co_filename == dropin.__file__ for f in (Trainer.__init__, HfArgumentParser.__init__,
+                                                                         TrainingArguments.__post_init__)]
+assert changed() == [True, True, True]
+(args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(["--output_dir", "x", "--zeropp", "zero2",
+                                                                           "--use_cpu"])
+assert args.zeropp == "zero2"
+dropin.uninstall()
+assert changed() == [False, False, False]
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("check", [_CHECK_INSTALL, _CHECK_INSTALL_BEFORE_IMPORT], ids=["imported", "not-yet-imported"])
+def test_import_installs_nothing_and_uninstall_restores_stock(check):
+    """Installed where the script has imported transformers' Trainer already, and where it has not: then the Trainer,
+    its arguments and the argument parser change when the script first imports them, and a script that never does
+    is spared the import."""
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
