@@ -23,7 +23,7 @@ import background
 import pytest
 import torch
 from launching import hf_zeropp_launch
-from paths import DEEPSPEED_FIXTURES
+from paths import DEEPSPEED_FIXTURES, ROOT
 
 import hf_zeropp
 from hf_zeropp.interop.deepspeed.config import deepspeed_key_table, options_from_deepspeed
