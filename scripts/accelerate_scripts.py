@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -39,6 +40,7 @@ ONE_FILE = ROOT / "recipes" / "accelerate" / "cpu_2x2.yaml"  # hf-zeropp launch:
 # preset: (processes, ranks per emulated node); ZeRO++ on 2 nodes x 2 ranks, or 2 x 1 for a script in TWO_PROCESSES
 PRESETS = {"zero3": (2, 2), "zeropp": (4, 2)}
 STOCK_PROCESSES = 2
+ERROR = re.compile(r"\b\w+(Error|Exception): .*|timed out after .*")  # a failed launch's line names its first error
 # Scripts written for exactly 2 processes (they fail under stock on 4 as well)
 TWO_PROCESSES = {
     "test_script.py": "test_split_between_processes_tensor expects every rank but 0 to get the second of 2 rows",
@@ -61,7 +63,7 @@ OUT = {
     "external_deps/test_metrics.py": "imports evaluate (not installed); a Hub model and GLUE MRPC",
     "external_deps/test_peak_memory_usage.py": "measures GPU memory; loads a Hub model and GLUE MRPC (no Hub here)",
     "external_deps/test_performance.py": "imports evaluate (not installed); a Hub model and GLUE MRPC",
-    "external_deps/test_zero3_integration.py": "DeepSpeed ZeRO-3 on GPUs",
+    "external_deps/test_zero3_integration.py": "DeepSpeed ZeRO-3 on GPUs: an nccl process group, a Hub model",
 }
 
 
@@ -174,7 +176,8 @@ def run_one(script: str, preset: str | None, timeout: int) -> tuple[str, float, 
     seconds = time.monotonic() - start
     skipped = [name for name in SKIPPED.get(script, {}) if f"skipped by name: {script}::{name}:" in output]
     if not ok:
-        return "fail", seconds, output
+        errors = [line for line in output.splitlines() if ERROR.search(line) and "ChildFailedError" not in line]
+        return (f"fail: {ERROR.search(errors[0]).group(0)[:100]}" if errors else "fail"), seconds, output
     return (f"pass, skipped by name: {', '.join(skipped)}" if skipped else "pass"), seconds, output
 
 
@@ -202,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     for script in scripts:
         for preset in presets:
             result, seconds, output = run_one(script, preset, args.timeout)
-            print(f"  {script:<34} {preset or 'stock':<7} {result}  ({seconds:.0f} s)", flush=True)
-            if result == "fail":
+            print(f"  {script:<42} {preset or 'stock':<7} {result}  ({seconds:.0f} s)", flush=True)
+            if result.startswith("fail"):
                 failures.append((script, preset, output))
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(f"{len(scripts) * len(presets)} launches: {time.monotonic() - start:.0f} s wall, "
