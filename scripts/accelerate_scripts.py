@@ -76,7 +76,7 @@ def _always(*args, **kwargs) -> bool:
 # backward reduces its gradients, so that no rank keeps a full unreduced gradient (DeepSpeed refuses no_sync at those
 # stages for the same reason): between synchronising steps the gradients already agree across ranks, where DDP's
 # still differ. The accumulated result, and so training, is the same (test_sync.py's in-sync checks and
-# tests/test_conformance.py check it).
+# tests/conformance/test_conformance.py check it).
 IN_SYNC_ALREADY = "asserts that gradients differ across ranks between synchronising steps; at stage 3 they agree"
 SKIPPED = {
     "test_sync.py": {
