@@ -26,6 +26,7 @@ import json
 import os
 import re
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -166,13 +167,19 @@ def run_one(script: str, preset: str | None, timeout: int) -> tuple[str, float, 
     if preset is None:
         env["ACCELERATE_USE_CPU"] = "true"
     start = time.monotonic()
+    launcher = subprocess.Popen(launch_command(script, preset), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        done = subprocess.run(launch_command(script, preset), cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-        output, ok = done.stdout + done.stderr, done.returncode == 0
-    except subprocess.TimeoutExpired as expired:
-        output = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout} s"
-        ok = False
+        output, ok = launcher.communicate(timeout=timeout)[0], launcher.returncode == 0
+    except subprocess.TimeoutExpired:
+        # SIGTERM: torchrun's agent then ends its workers, which run in sessions of their own (SIGKILL would orphan them)
+        os.killpg(launcher.pid, signal.SIGTERM)
+        try:
+            output = launcher.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            output = launcher.communicate()[0]
+        output, ok = f"{output}\ntimed out after {timeout} s", False
     seconds = time.monotonic() - start
     skipped = [name for name in SKIPPED.get(script, {}) if f"skipped by name: {script}::{name}:" in output]
     if not ok:
