@@ -187,11 +187,10 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
     units = _units(model, config.wrap_modules)
     if config.activation_checkpointing:
         _enable_activation_checkpointing(model, units)
-    mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[config.mixed_precision],
-                                     reduce_dtype=_DTYPES[config.reduce_dtype])
+    policies = _mixed_precision_policies(model, units, config, ignored)
     if config.stage == 0:
         for unit in [*units, model]:
-            fully_shard(unit, mesh=topology.replicated_mesh, reshard_after_forward=False, mp_policy=mp_policy,
+            fully_shard(unit, mesh=topology.replicated_mesh, reshard_after_forward=False, mp_policy=policies[unit],
                         ignored_params=ignored)
         return units
     reshard: bool | int = config.stage == 3
@@ -202,17 +201,35 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if config.cpu_offload else OffloadPolicy()
     with shared_hpz_mesh(topology):
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload,
-                        ignored_params=ignored)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policies[unit],
+                        offload_policy=offload, ignored_params=ignored)
         # the root keeps its weights gathered from forward to backward, as stock FSDP2's root does: backward
         # starts with it, so resharding would only gather the same weights again (the tied embedding, mostly).
         # A frozen model has no backward: it would hold its root gathered from one forward to the next
         root_reshard = reshard if frozen else False
-        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy, offload_policy=offload,
-                    ignored_params=ignored)
+        fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policies[model],
+                    offload_policy=offload, ignored_params=ignored)
     if device.type == "cpu":
         _prefetch_gathers(model, units)
     return units
+
+
+def _mixed_precision_policies(model: nn.Module, units: list[nn.Module], config: ZeroPPConfig,
+                              ignored: set[nn.Parameter]) -> dict[nn.Module, MixedPrecisionPolicy]:
+    """FSDP2's mixed-precision policy for every unit and the root. FSDP2 casts a unit's floating inputs to the
+    compute dtype so that they meet the weights it gathers in that dtype. A unit that gathers none (all its own
+    parameters replicated, such as Accelerate's ``RegressionModel``, or none at all) leaves its inputs as the script
+    passed them: its replicated parameters keep their dtype, so it computes as under stock DDP's autocast, where such
+    elementwise work stays in fp32."""
+    replicated = {id(p) for p in ignored}
+    policies = {}
+    for unit in [*units, model]:
+        inner = [other for other in units if other is not unit and any(other is m for m in unit.modules())]
+        elsewhere = replicated | {id(p) for other in inner for p in other.parameters()}
+        gathers = any(id(p) not in elsewhere for p in unit.parameters())
+        policies[unit] = MixedPrecisionPolicy(param_dtype=_DTYPES[config.mixed_precision],
+                                              reduce_dtype=_DTYPES[config.reduce_dtype], cast_forward_inputs=gathers)
+    return policies
 
 
 def _sharding_mesh(config: ZeroPPConfig, topology: Topology):

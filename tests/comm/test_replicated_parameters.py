@@ -422,3 +422,23 @@ def test_a_parameter_one_rank_leaves_unused_and_a_penalty_alone_are_averaged():
         assert bias == "DTensor", bias
         assert record.startswith("1 parameter FSDP2 cannot shard is replicated") and record.endswith(
             "weight (non-contiguous, stride (1, 4))"), record
+
+
+def test_a_unit_that_gathers_no_weights_leaves_its_inputs_in_their_dtype():
+    """bf16: FSDP2 casts a unit's inputs to bf16 to meet the weights it gathers in bf16. The RegressionModel gathers
+    none (both parameters replicated), so its fp32 inputs stay fp32, as under stock DDP's autocast, whose elementwise
+    ops stay in fp32 (Accelerate's test_script.py checks bf16 training of it against fp32 to 1e-6). A GPT-2 gathers
+    weights in its root (the embeddings) and in every block: each casts."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_zeropp import ZeroPPConfig
+    from hf_zeropp.engine.sharding import _mixed_precision_policies, _units
+
+    config = ZeroPPConfig.preset("zero3", mixed_precision="bf16")
+    regression = _build("regression")
+    policies = _mixed_precision_policies(regression, [], config, set(regression.parameters()))
+    assert not policies[regression].cast_forward_inputs and policies[regression].param_dtype == torch.bfloat16
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32))
+    units = _units(gpt2, None)
+    policies = _mixed_precision_policies(gpt2, units, config, set())
+    assert len(units) == 2 and all(policy.cast_forward_inputs for policy in policies.values())
