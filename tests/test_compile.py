@@ -1,7 +1,8 @@
 """torch.compile on a sharded model, every way a script asks for it, under ZeRO++ (2 emulated nodes x 2 ranks):
 each FSDP unit compiled (``hf_zeropp.compile_units``, what Accelerate's dynamo settings and the Trainer's
 ``--torch_compile`` do; the Accelerate and Trainer paths against stock compiled DDP are in tests/test_conformance.py),
-also with activation checkpointing, then generating, and the whole model compiled by the script itself before
+also with activation checkpointing, then generating, ten blocks with ``fullgraph=True`` (each keeps its graph: more
+than torch's default recompile limit), and the whole model compiled by the script itself before
 ``shard_model`` and after it. The backends keep eager's arithmetic (``aot_eager`` traces forward and backward
 graphs, ``eager`` only the forward), so every way must train exactly as eager does: qwZ / qgZ quantize in FSDP's
 hooks, outside the graphs, the same bits either way."""
@@ -56,6 +57,13 @@ def _train_four_ways(directory: str) -> dict:
             saved = hf_zeropp.save_pretrained(model, Path(directory) / way)
             with safe_open(next(saved.glob("*.safetensors")), "pt") as tensors:
                 results[way]["saved"] = sorted(tensors.keys())
+    torch._dynamo.reset()  # ten blocks, one graph each: more than torch's default recompile limit of 8
+    counters.clear()
+    model = hf_zeropp.shard_model(tiny_gpt2(seed=0, n_layer=10), hf_zeropp.ZeroPPConfig.preset("zeropp", node_size=2))
+    hf_zeropp.compile_units(model, backend="eager", fullgraph=True)
+    train(model, make_optimizer(model), range(1))
+    results["ten_blocks"] = {"graphs": counters["stats"]["unique_graphs"],
+                             "graph_breaks": sum(counters["graph_break"].values())}
     return results
 
 
@@ -74,5 +82,6 @@ def test_every_way_of_compiling_trains_as_eager_under_zeropp(tmp_path):
     assert before["graphs"][0] >= 2 and before["graph_breaks"] > 0  # compiled, broken at the units' FSDP hooks
     assert "before shard_model" in before["compile"][0], before["compile"]
     assert before["saved"] and not any("_orig_mod" in name for name in before["saved"]), before["saved"]
+    assert results["ten_blocks"] == {"graphs": 10, "graph_breaks": 0}  # fullgraph=True; no block left uncompiled
     after = results["whole_after"]  # whole_before's graphs serve the same model sharded first: nothing recompiles
     assert after["graphs"] == (0, 0) and after["graph_breaks"] == 0 and after["compile"] is None, after

@@ -80,7 +80,7 @@ def record_whole_model_compile(model: nn.Module, asked_by: str) -> None:
         return
     zeropp_state(inner).meter.conditions.setdefault(
         "compile", f"torch.compile of the whole model ({asked_by}): its graph breaks at every FSDP unit's hooks, "
-                   f"which run eagerly; hf_zeropp.engine.compile.compile_units compiles each unit without breaks")
+                   f"which run eagerly; hf_zeropp.compile_units compiles each unit without breaks")
 
 
 __all__ = ["compile_as_accelerate_asks", "compile_units", "record_whole_model_compile"]

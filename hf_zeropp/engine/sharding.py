@@ -68,7 +68,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     inner = uncompiled(model)
     if inner is not model:
         shard_model(inner, config, device=device, runs_schedule=runs_schedule, frozen=frozen)
-        record_whole_model_compile(model, "torch.compile(model) before shard_model")
+        record_whole_model_compile(model, "torch.compile(model) before shard_model or prepare")
         return model
     config = ZeroPPConfig.coerce(config)
     topology, device, has_blocks = _check_before_any_collective(model, config, device, runs_schedule)
