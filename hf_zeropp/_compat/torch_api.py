@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -346,9 +347,10 @@ def fresh_grad_scaler_state() -> dict[str, Any]:
 def uncompiled(module: Any) -> Any:
     """The module ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``), or the argument itself: hf_zeropp shards, saves and reports on the model inside, whose parameter names are the model's
     own (the wrapper prefixes them with ``_orig_mod.``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return module._orig_mod if isinstance(module, OptimizedModule) else module
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # nothing was compiled in this process; importing dynamo would cost 0.5 CPU-s
+        return module
+    return module._orig_mod if isinstance(module, eval_frame.OptimizedModule) else module
 
 
 # checked: torch 2.13
