@@ -29,6 +29,7 @@ from .state import zeropp_state
 # Graphs kept per unit: the first shapes, then dynamic shapes (torch marks a dimension dynamic when it changes), each
 # with and without gradients (training and evaluation)
 GRAPHS_PER_UNIT = 4
+_SAID: list[bool] = []  # rank 0 has warned that the units are compiled instead of the whole model
 
 
 def compile_units(model: nn.Module, *, asked_by: str = "compile_units", **compile_kwargs: Any) -> None:
@@ -62,7 +63,8 @@ def compile_as_accelerate_asks(model: nn.Module, plugin: Any, rank: int) -> None
     ``--dynamo_backend`` / ``dynamo_config``, the Trainer's ``--torch_compile``) ask: per FSDP unit. Where they ask for
     the whole model (``use_regional_compilation`` off, the default), rank 0 says once that the units are compiled
     instead; a whole-model graph would break at every unit's FSDP hooks."""
-    if not plugin.use_regional_compilation and rank == 0:  # said once: the same warning from the same line
+    if not plugin.use_regional_compilation and rank == 0 and not _SAID:
+        _SAID.append(True)  # once per process: a filter change elsewhere would let warnings repeat it
         warnings.warn("hf_zeropp compiles a sharded model per FSDP unit (each transformer block), not as one "
                       "whole-model graph as Accelerate's dynamo settings ask: the whole model's graph would break at "
                       "every unit's FSDP hooks (comm_stats(model)['implementations']['compile'] records it)",
