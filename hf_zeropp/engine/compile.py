@@ -3,15 +3,16 @@
 Each unit below the root (the transformer blocks; an untied input embedding and output head) is compiled in place
 with ``nn.Module.compile``, as Accelerate's FSDP2 path compiles regions. FSDP2's pre- and post-forward hooks, which
 start and wait for the unit's all-gather (qwZ's INT8 codes, hpZ's node-local gather) and set up the backward hooks
-that reduce-scatter its gradients (qgZ's all-to-alls), are not traced: torch runs FSDP2's hooks eagerly
-(``torch._dynamo.config.skip_fsdp_hooks``, on by default). So every unit is one graph without a break, and the
-collectives, with their quantization kernels, run between the compiled units. The root's own layers (a tied
-model's embeddings, final norm and head, and the loss) stay uncompiled: compiling the root whole would trace
-through each unit's call and break its graph at every unit's hooks.
+that reduce-scatter its gradients (qgZ's all-to-alls), are not traced: torch wraps them in ``torch._dynamo.disable``
+("skipping FSDP hooks") and runs them eagerly. So every unit is one graph without a break, and the collectives, with
+their quantization kernels, run between the compiled units. The root's own layers (a tied model's embeddings, final
+norm and head, and the loss) stay uncompiled: compiling the root whole would trace through each unit's call and break
+its graph at every unit's hooks.
 
-Why the collectives stay outside: tracing them needs FSDP2's traceable mode under compiled autograd, which calls
-the default collectives, not the custom all-gather and reduce-scatter objects that carry qwZ, hpZ, qgZ, hybrid-q
-and the byte meter; and a graph that held them would be rebuilt whenever ``set_techniques`` switches one.
+Why the collectives stay outside: torch 2.13's FSDP2 cannot be traced (its hooks are always excluded), and graphs
+that hold the collectives (torchtitan's SimpleFSDP) replace FSDP2 and with it the custom all-gather and
+reduce-scatter objects that carry qwZ, hpZ, qgZ, hybrid-q and the byte meter; such a graph would also be rebuilt
+whenever ``set_techniques`` switches a technique.
 """
 
 from __future__ import annotations
