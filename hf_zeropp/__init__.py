@@ -30,6 +30,7 @@ _MODULE_OF: dict[str, str] = {
     "convert_deepspeed_checkpoint": "checkpoint.deepspeed_convert",
     "export_deepspeed_universal": "checkpoint.deepspeed_convert",
     "load_deepspeed_checkpoint": "checkpoint.deepspeed_restore",
+    "compile_units": "engine.compile",
     "gathered_for_inference": "engine.inference",
     "from_pretrained": "engine.materialize",
     "active_techniques": "engine.runtime",

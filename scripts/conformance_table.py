@@ -60,6 +60,8 @@ def main() -> None:
         ("gather_for_metrics (11 samples, 4 ranks)", accelerate,
          lambda r: f"{len(r['one_call']['evaluated_samples'])} samples"),
         ("split prepare (model, then optimizer): last loss", accelerate, lambda r: last(r["split_prepare"]["loss"])),
+        ("dynamo settings, regional (hf_zeropp: per FSDP unit) + accumulation: last loss", accelerate,
+         lambda r: last(r["compiled"]["loss"])),
         ("FSDP2 order + save_state/load_state: resumed = uninterrupted", accelerate,
          lambda r: "bit-exact" if r["fsdp2_order"]["resumed_loss"] == r["fsdp2_order"]["uninterrupted_loss"]
          else f"differs {r['fsdp2_order']['resumed_loss']}"),
@@ -77,7 +79,8 @@ def main() -> None:
                    f"{r['final_eval_loss']:.6f}"),
         ("Trainer save_model: reloaded = best checkpoint", trainer,
          lambda r: "equal" if torch.equal(r["reloaded_logits"], r["best_checkpoint_logits"]) else "differs"),
-        ("Trainer resume_from_checkpoint 4 -> 2 ranks: last loss", resumed, lambda r: last(r["loss"])),
+        ("Trainer resume_from_checkpoint 4 -> 2 ranks (hf_zeropp: --torch_compile): last loss", resumed,
+         lambda r: last(r["loss"])),
         *[(f"TRL {kind.upper()} behind the mixin: last loss", trl, lambda r, kind=kind: last(r[kind]["loss"]))
           for kind in ("sft", "dpo")],
         ("TRL GRPO (beta 0.1) behind the mixin: last mean reward", trl, lambda r: last(r["grpo"]["reward"])),

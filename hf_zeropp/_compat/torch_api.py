@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +43,8 @@ UPSTREAM: dict[str, str] = {
                                "torch._C._distributed_c10d._set_thread_isolation_mode",
     "local_tensor": "torch.distributed.tensor.DTensor._local_tensor",
     "fresh_grad_scaler_state": "torch.amp.grad_scaler._refresh_per_optimizer_state",
+    "uncompiled": "torch._dynamo.eval_frame.OptimizedModule._orig_mod",
+    "raise_recompile_limit": "torch._dynamo.config.recompile_limit",
 }
 
 
@@ -338,6 +341,29 @@ def fresh_grad_scaler_state() -> dict[str, Any]:
     from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
     return _refresh_per_optimizer_state()
+
+
+# checked: torch 2.13
+def uncompiled(module: Any) -> Any:
+    """The module ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``), or the argument itself: hf_zeropp shards, saves and reports on the model inside, whose parameter names are the model's
+    own (the wrapper prefixes them with ``_orig_mod.``)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # nothing was compiled in this process; importing dynamo would cost 0.5 CPU-s
+        return module
+    return module._orig_mod if isinstance(module, eval_frame.OptimizedModule) else module
+
+
+# checked: torch 2.13
+def raise_recompile_limit(at_least: int) -> tuple[int, int]:
+    """Raise ``torch._dynamo.config.recompile_limit`` (graphs kept per code object) to ``at_least``; returns it before
+    and after. Compiled one by one, the blocks of a transformers model share one ``forward`` code object and get one
+    graph each (each specializes on its ``layer_idx``), so a model with more blocks than the limit would run the rest
+    uncompiled."""
+    from torch._dynamo import config
+
+    before = config.recompile_limit
+    config.recompile_limit = max(before, at_least)
+    return before, config.recompile_limit
 
 
 __all__ = sorted(UPSTREAM)

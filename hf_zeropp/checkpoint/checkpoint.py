@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .._compat import uncompiled
 from ..interop.deepspeed.checkpoint import is_deepspeed_checkpoint
 from ..engine.full_state import consolidated_state_dict
 from ..interop.hf_checkpoint import MAX_SHARD_SIZE, write_pretrained, writes_per_rank
@@ -158,6 +159,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     ``include_model=False`` stores only the optimizer shards (and the rest), for trainers that write the
     weights themselves as a consolidated model.
     """
+    model = uncompiled(model)  # a torch.compile wrapper: the model's own names
     directory = Path(directory)
     partial = _begin(directory)
     dcp.save(_dcp_state(model, optimizer, include_model), checkpoint_id=str(partial))
@@ -190,6 +192,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any | None = None, *, restore_rng: bool = True) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` (any world size); returns its metadata."""
+    model = uncompiled(model)  # a torch.compile wrapper: the model's own names
     directory = Path(directory)
     meta_path = directory / META_FILE
     if not meta_path.is_file() and is_deepspeed_checkpoint(directory):
@@ -347,6 +350,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: An
     and written by the model's own ``save_pretrained``; a model without one (a plain ``nn.Module``) as
     ``pytorch_model.bin``.
     """
+    model = uncompiled(model)  # a torch.compile wrapper: the model's own names
     directory = Path(directory)
     zeropp = getattr(model, "_zeropp", None)
     control_group = zeropp.topology.control_group if zeropp is not None else None

@@ -43,13 +43,14 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._compat import uncompiled
 from .auto import AutoPlan, pick
 from ..comm.comm_meter import CommMeter
 from .materialize import REAL, agree_on_placement
@@ -78,6 +79,7 @@ class PendingTrial:
     runs_schedule: bool
     original_class: type
     meter: CommMeter  # comm_stats before the first forward, and the Trainer's error-tracking switch
+    then: list[Callable[[nn.Module], None]] = field(default_factory=list)  # run on the model once it is sharded
 
 
 class AwaitingAutoTrial:
@@ -99,8 +101,15 @@ class AwaitingAutoTrial:
 
 
 def is_pending(model: Any) -> bool:
-    """Whether ``model`` awaits auto's trial: unsharded until its first forward."""
-    return isinstance(model, AwaitingAutoTrial)
+    """Whether ``model`` (or the model a ``torch.compile`` wrapper holds) awaits auto's trial: unsharded until its
+    first forward."""
+    return isinstance(uncompiled(model), AwaitingAutoTrial)
+
+
+def after_sharding(model: nn.Module, call: Callable[[nn.Module], None]) -> None:
+    """Run ``call(model)`` once the trial has sharded ``model`` (``torch.compile`` of its units, which the trial's
+    twins, copies of the unsharded model, must not share)."""
+    _pending(model).then.append(call)
 
 
 def current_meter(model: nn.Module) -> CommMeter:
@@ -262,6 +271,8 @@ def _shard_as(model: nn.Module, pending: PendingTrial, name: str, line: str) -> 
     rebind_after_late_sharding(before)
     if pending.topology.rank == 0:
         print(f"hf_zeropp {line}", flush=True)
+    for call in pending.then:
+        call(model)
 
 
 def _warn_on_rank0(topology: Topology, plan: AutoPlan, why: str) -> None:
@@ -271,7 +282,7 @@ def _warn_on_rank0(topology: Topology, plan: AutoPlan, why: str) -> None:
 
 
 def _pending(model: nn.Module) -> PendingTrial:
-    return vars(model)["_zeropp_pending"]
+    return vars(uncompiled(model))["_zeropp_pending"]
 
 
 _AWAITING_CLASSES: dict[type, type] = {}

@@ -25,10 +25,11 @@ from torch import nn
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
-from .._compat import apply_activation_checkpointing, no_split_modules, set_unshard_async_op
+from .._compat import apply_activation_checkpointing, no_split_modules, set_unshard_async_op, uncompiled
 from .auto import choose as choose_configuration
 from .auto_trial import start_trial
 from ..comm.comm_meter import CommMeter
+from .compile import record_whole_model_compile
 from ..config.config import ZeroPPConfig
 from ..interop.deepspeed.training import refuse_training_loop
 from .frozen import quantize_frozen_weights
@@ -62,7 +63,13 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     freezes every parameter first: no gradients or optimizer state, matrices stored INT8 with
     ``quantized_nontrainable_weights``. Under ``shard_group: auto`` on several nodes the model comes back unsharded
     and is sharded at its first forward, once that has timed the candidates (:mod:`hf_zeropp.engine.auto_trial`). The
-    steps, in order: docs/api.md, ``shard_model``."""
+    steps, in order: docs/api.md, ``shard_model``. A ``torch.compile(model)`` wrapper is returned as it came, the
+    model inside it sharded."""
+    inner = uncompiled(model)
+    if inner is not model:
+        shard_model(inner, config, device=device, runs_schedule=runs_schedule, frozen=frozen)
+        record_whole_model_compile(model, "torch.compile(model) before shard_model or prepare")
+        return model
     config = ZeroPPConfig.coerce(config)
     topology, device, has_blocks = _check_before_any_collective(model, config, device, runs_schedule)
     if frozen:  # after the checks: a refused call leaves the model as it was

@@ -21,11 +21,13 @@ from typing import Any
 import accelerate
 import torch
 import torch.distributed as dist
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
 from torch import nn
 
-from .._compat import accelerator_models, accelerator_optimizers, accelerator_registry, is_accelerate_prepared
+from .._compat import (accelerator_models, accelerator_optimizers, accelerator_registry, is_accelerate_prepared,
+                       uncompiled)
 from ..engine.auto_trial import is_pending
+from ..engine.compile import compile_as_accelerate_asks
 from ..checkpoint.checkpoint import load_checkpoint, save_checkpoint, save_pretrained
 from ..config.config import ZeroPPConfig
 from ..interop.deepspeed.checkpoint import is_deepspeed_checkpoint
@@ -229,7 +231,9 @@ class Accelerator(accelerate.Accelerator):
         """Sharded models skip DDP and autocast (FSDP's mixed-precision policy casts). A model prepared for
         evaluation only (TRL's reference and reward models) is sharded too — each rank holds 1/N of it, not a full
         copy — and, if :attr:`freezes_for_evaluation` says so, frozen first so that ``quantized_nontrainable_weights``
-        stores it INT8. It can still be prepared for training later."""
+        stores it INT8. It can still be prepared for training later. Accelerate's dynamo settings compile a sharded
+        model per FSDP unit (:mod:`hf_zeropp.engine.compile`); a model the script compiled itself is left as it is,
+        as stock Accelerate leaves it."""
         if evaluation_mode and self.shards_models and not is_sharded(model) and self.zeropp_config.stage > 0:
             shard_model(model, self.zeropp_config, device=self.device, runs_schedule=self.zeropp_runs_schedule,
                         frozen=self.freezes_for_evaluation(model))
@@ -239,6 +243,8 @@ class Accelerator(accelerate.Accelerator):
         models = accelerator_models(self)
         if model not in models:
             models.append(model)
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO and uncompiled(model) is model:
+            compile_as_accelerate_asks(model, self.state.dynamo_plugin, self.process_index)
         return model
 
     def freezes_for_evaluation(self, model: nn.Module) -> bool:
@@ -276,7 +282,7 @@ class Accelerator(accelerate.Accelerator):
         """Consolidated (full, CPU) state dict on the main process, empty elsewhere — collective for sharded models."""
         if not is_sharded(model):
             return super().get_state_dict(model, unwrap=unwrap)
-        return consolidated_state_dict(model, model._zeropp.topology.control_group)
+        return consolidated_state_dict(uncompiled(model), model._zeropp.topology.control_group)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: str = "10GB",
                    safe_serialization: bool = True) -> None:

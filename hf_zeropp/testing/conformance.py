@@ -149,11 +149,52 @@ def _fsdp2_order_with_resume(mode: str, workdir: Path) -> dict:
             "uninterrupted_loss": uninterrupted["loss"]}
 
 
+def _compiled(mode: str, workdir: Path) -> dict:
+    """Accelerate's dynamo settings (what ``--dynamo_backend``, an Accelerate YAML's ``dynamo_config`` and the
+    Trainer's ``--torch_compile`` set), regional: stock compiles the DDP model's blocks and other leaves, hf_zeropp each
+    FSDP unit. The backend ``eager`` runs the traced graphs as eager does (the cheapest compile: ``aot_eager``, which
+    also traces the backward, runs in the Trainer pattern and tests/engine/test_compile.py), so the numbers must be eager's.
+    Accumulation (``no_sync``), clipping, and save_state / load_state of the compiled model; dynamo's counters:
+    graph breaks, and graphs compiled by the end of the first step and of the run (after the resume)."""
+    from accelerate.utils import TorchDynamoPlugin
+    from torch._dynamo.utils import counters
+
+    import hf_zeropp
+
+    torch._dynamo.reset()
+    counters.clear()
+    plugin = TorchDynamoPlugin(backend="eager", use_regional_compilation=True)
+    accelerator = _accelerator(mode, gradient_accumulation_steps=2, dynamo_plugin=plugin)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    result = _train_steps(accelerator, model, optimizer, range(1))
+    graphs_after_first_step = counters["stats"]["unique_graphs"]
+    accelerator.save_state(str(workdir / "state"))
+    uninterrupted = _train_steps(accelerator, model, optimizer, range(1, 3))
+    accelerator.load_state(str(workdir / "state"))
+    resumed = _train_steps(accelerator, model, optimizer, range(1, 3))
+    implementations = {} if mode == "stock" else hf_zeropp.comm_stats(model)["implementations"]
+    return {"loss": result["loss"] + uninterrupted["loss"],
+            "grad_norm": result["grad_norm"] + uninterrupted["grad_norm"], "resumed_loss": resumed["loss"], "uninterrupted_loss": uninterrupted["loss"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": (graphs_after_first_step, counters["stats"]["unique_graphs"]),
+            "compile": implementations.get("compile"), "model_class": type(model).__name__}
+
+
+# The modes the compiled pattern runs in (each compile costs seconds per rank): stage 1's no_sync, stage 3, ZeRO++'s
+# three techniques and hybrid-q's cross-node all-reduce; zero2 and hybrid compile the same units as zero1 and zero3
+COMPILED_MODES = ("stock", "zero1", "zero3", "zeropp", "hybrid-q")
+
+
 def accelerate_patterns(mode: str, workdir: str) -> dict:
     workdir = Path(workdir) / mode
-    return {"one_call": _one_call_prepare(mode, workdir / "one_call"),
-            "split_prepare": _split_prepare(mode),
-            "fsdp2_order": _fsdp2_order_with_resume(mode, workdir / "fsdp2_order")}
+    patterns = {"one_call": _one_call_prepare(mode, workdir / "one_call"),
+                "split_prepare": _split_prepare(mode),
+                "fsdp2_order": _fsdp2_order_with_resume(mode, workdir / "fsdp2_order")}
+    if mode in COMPILED_MODES:
+        patterns["compiled"] = _compiled(mode, workdir / "compiled")
+    return patterns
 
 
 def _sequences(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -161,7 +202,7 @@ def _sequences(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": ids, "labels": ids} for ids in ((s + torch.arange(16)) % VOCAB for s in starts)]
 
 
-def _trainer(mode: str, output_dir: Path):
+def _trainer(mode: str, output_dir: Path, **arguments):
     from transformers import Trainer, TrainingArguments
 
     import hf_zeropp
@@ -170,7 +211,8 @@ def _trainer(mode: str, output_dir: Path):
                    gradient_accumulation_steps=2, learning_rate=1e-2, adam_epsilon=1e-6, max_grad_norm=1.0,
                    eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, logging_steps=1,
                    load_best_model_at_end=True, metric_for_best_model="eval_loss", report_to="none", use_cpu=True,
-                   seed=0, greater_is_better=True)  # "best" = highest loss: an early checkpoint, not the last one
+                   seed=0, greater_is_better=True,  # "best" = highest loss: an early checkpoint, not the last one
+                   **arguments)
     data = {"train_dataset": _sequences(64, seed=1), "eval_dataset": _sequences(8, seed=2)}
     if mode == "stock":
         return Trainer(model=tiny_gpt2(), args=TrainingArguments(**options), **data)
@@ -208,11 +250,18 @@ def trainer_patterns(mode: str, workdir: str) -> dict:
 
 
 def trainer_resume_on_two_ranks(mode: str, workdir: str) -> dict:
-    """resume_from_checkpoint of a checkpoint written by 4 ranks, on 2 (DCP reshards hf_zeropp's optimizer)."""
+    """resume_from_checkpoint of a checkpoint written by 4 ranks, on 2 (DCP reshards hf_zeropp's optimizer). Under
+    hf_zeropp the resumed run is compiled (``--torch_compile_backend aot_eager``: eager's arithmetic, so stock's
+    uncompiled numbers stay the reference; the Accelerate patterns compare with stock compiled)."""
+    import hf_zeropp
+
     output_dir = Path(workdir) / f"{mode}_resumed"
-    trainer = _trainer(mode, output_dir)
+    trainer = _trainer(mode, output_dir, **({} if mode == "stock" else {"torch_compile_backend": "aot_eager"}))
     trainer.train(resume_from_checkpoint=str(Path(workdir) / mode / "checkpoint-2"))
-    return _trainer_summary(trainer, output_dir, first_step=2)
+    summary = _trainer_summary(trainer, output_dir, first_step=2)
+    if mode != "stock":
+        summary["compile"] = hf_zeropp.comm_stats(trainer.model)["implementations"].get("compile")
+    return summary
 
 
 def _digit_reward(completions: list[str], **_) -> list[float]:

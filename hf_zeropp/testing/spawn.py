@@ -30,10 +30,12 @@ DEFAULT_PG_TIMEOUT = 120.0  # seconds a collective may wait for a peer before th
 # ``import hf_zeropp`` is lazy, so the engine, checkpoints and integrations are named too: a rank that shards a model
 # otherwise imports them itself (0.4 s of CPU for the engine, 1.7 s for the Trainer integration, measured here). None
 # of them changes an upstream class on import; installing hf_zeropp into transformers or Accelerate is an explicit call.
+# torch.compile's dynamo and AOTAutograd cost a rank that compiles 1.4 CPU-s to import (measured here).
 PRELOADED_MODULES = ["hf_zeropp", "hf_zeropp.testing.tiny_models", "transformers.models.gpt2.modeling_gpt2",
                      "transformers.models.llama.modeling_llama", "hf_zeropp.engine.sharding",
                      "hf_zeropp.engine.runtime", "hf_zeropp.checkpoint.checkpoint",
-                     "hf_zeropp.integrations.accelerate_integration", "hf_zeropp.integrations.trainer"]
+                     "hf_zeropp.integrations.accelerate_integration", "hf_zeropp.integrations.trainer",
+                     "torch._dynamo", "torch._functorch.aot_autograd"]
 
 
 def _free_port() -> int:

@@ -314,6 +314,23 @@ def test_grad_scaler_per_optimizer_state():
         assert fresh == scaler._per_optimizer_states[id(object())]  # a defaultdict's new entry: the same record
 
 
+def test_dynamo_internals():
+    """A ``torch.compile(module)`` wrapper is seen through, and the recompile limit is raised, never lowered."""
+    from torch._dynamo import config
+
+    with entry("uncompiled"):
+        module = nn.Linear(2, 2)
+        wrapper = torch.compile(module, backend="eager")
+        assert _compat.uncompiled(wrapper) is module and _compat.uncompiled(module) is module
+    with entry("raise_recompile_limit"):
+        before = config.recompile_limit
+        try:
+            assert _compat.raise_recompile_limit(before + 5) == (before, before + 5) == (before, config.recompile_limit)
+            assert _compat.raise_recompile_limit(1) == (before + 5, before + 5)
+        finally:
+            config.recompile_limit = before
+
+
 def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -77,13 +77,15 @@ def _trl_data(work: Path) -> None:
 
 @background.launches("one_file_runs", prepare=_trl_data)
 def _one_file_launches(work: Path) -> dict:
-    output = hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), str(LAUNCH_SCRIPTS / "accelerate_patterns.py"),
-                               "--output", str(work / "launched"))
+    output = hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "--dynamo_backend", "eager",
+                               str(LAUNCH_SCRIPTS / "accelerate_patterns.py"), "--output", str(work / "launched"))
 
-    def ported(preset: str, script: str, *args: str) -> str:
-        return shlex.join([f"ZEROPP_CONFIG={preset}", "ZEROPP_NODE_SIZE=2", str(LAUNCH_SCRIPTS / script), *args])
+    def ported(preset: str, script: str, *args: str, env: tuple[str, ...] = ()) -> str:
+        return shlex.join([f"ZEROPP_CONFIG={preset}", "ZEROPP_NODE_SIZE=2", *env, str(LAUNCH_SCRIPTS / script),
+                           *args])
 
-    imported = [ported("zeropp", "accelerate_patterns_imported.py", "--output", str(work / "imported"))]
+    imported = [ported("zeropp", "accelerate_patterns_imported.py", "--output", str(work / "imported"),
+                       env=("ACCELERATE_DYNAMO_BACKEND=EAGER",))]
     if (work / "base").is_dir():
 
         def data(kind: str, way: str) -> list[str]:
@@ -121,7 +123,8 @@ def accelerate_runs(one_file_runs) -> dict[str, dict]:
 def test_accelerate_script_under_the_launcher_equals_the_ported_script_bit_for_bit(accelerate_runs):
     """One-call prepare with accumulation, clipping, a scheduler and gather_for_metrics; split prepare; save_state
     then load_state into a fresh run; save_model: the same numbers as the script with ``from hf_zeropp import
-    Accelerator``, and the ported run's meter shows ZeRO++'s three techniques at work."""
+    Accelerator``, and the ported run's meter shows ZeRO++'s three techniques at work. Both compile (the launch's
+    ``--dynamo_backend eager``), which keeps eager's numbers."""
     launched, imported = accelerate_runs["launched"], accelerate_runs["imported"]
     hf_zeropp_accelerator = "hf_zeropp.integrations.accelerate_integration.Accelerator"
     assert launched["accelerator_class"] == imported["accelerator_class"] == hf_zeropp_accelerator
@@ -135,6 +138,9 @@ def test_accelerate_script_under_the_launcher_equals_the_ported_script_bit_for_b
     assert stats["fwd_allgather"]["inter_node"] > 0 and "qwZ int8" in stats["implementations"]["fwd_allgather"][0]
     assert stats["bwd_allgather"]["inter_node"] == 0 and stats["bwd_allgather"]["intra_node"] > 0  # hpZ
     assert stats["qgz_inter"]["inter_node"] > 0  # qgZ
+    # the launch line's --dynamo_backend (the ported run: its variable) compiles each FSDP unit, said once on rank 0
+    assert "per FSDP unit" in stats["implementations"]["compile"][0], stats["implementations"]["compile"]
+    assert accelerate_runs["launched"]["output"].count("hf_zeropp compiles a sharded model per FSDP unit") == 1
 
 
 def test_rank_0_says_what_was_installed_and_at_exit_what_was_sent(accelerate_runs):

@@ -1,6 +1,6 @@
 """The kernels as torch custom ops: schemas and fake implementations pass ``torch.library.opcheck``, the profiler
-names them, ``torch.compile`` traces through them, a model whose blocks are compiled trains exactly like the eager
-one under ZeRO++, and the kernel build is cached by its sources (two checkouts share one build)."""
+names them, ``torch.compile`` traces through them (a compiled model under ZeRO++: tests/engine/test_compile.py), and the
+kernel build is cached by its sources (two checkouts share one build)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hf_zeropp
 import hf_zeropp.kernels as K
 from hf_zeropp.kernels import _build
 from hf_zeropp.kernels import ops as ops_module
-from hf_zeropp.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.skipif(K.active_backend("cpu") != "cpp", reason="the cpp kernels did not build here")
 
@@ -91,29 +89,6 @@ def test_torch_compile_traces_through_the_kernels_in_one_graph():
     for length in (256, 300):
         x = torch.randn(3, length)
         assert torch.equal(compiled(x), round_trip(x))
-
-
-def _compiled_blocks_worker(compile_blocks: bool) -> tuple[list[float], int]:
-    import hf_zeropp
-    from torch._dynamo.utils import counters
-    from hf_zeropp.testing.tiny_models import make_optimizer, tiny_gpt2, train
-
-    torch._dynamo.reset()
-    model = tiny_gpt2(seed=0, n_embd=64)
-    hf_zeropp.shard_model(model, hf_zeropp.ZeroPPConfig.preset("zeropp", node_size=2))
-    if compile_blocks:  # per block, as torchtitan does with FSDP2; FSDP's hooks stay outside the graphs
-        for block in model.transformer.h:
-            block.compile(backend="aot_eager")
-    losses = train(model, make_optimizer(model), range(4))
-    return losses, counters["stats"]["unique_graphs"]
-
-
-def test_blocks_compiled_with_torch_compile_train_like_eager_under_zeropp():
-    eager, no_graphs = run_distributed(_compiled_blocks_worker, 4, False)[0]
-    compiled, graphs = run_distributed(_compiled_blocks_worker, 4, True)[0]
-    assert no_graphs == 0 and graphs >= 2, (no_graphs, graphs)  # the blocks did run as compiled graphs
-    assert len(set(eager)) == len(eager)  # four different losses: the steps trained
-    assert compiled == pytest.approx(eager, abs=1e-6), (compiled, eager)
 
 
 def test_two_checkouts_with_the_same_sources_share_one_build(tmp_path):
