@@ -251,7 +251,29 @@ def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
         units += [m for m in (embeddings, head) if m is not None and any(True for _ in m.parameters())]
     units += blocks
     inside_a_block = {id(m) for b in blocks for m in b.modules() if m is not b}
-    return [u for u in units if id(u) not in inside_a_block]
+    return _shared_weights_left_to_the_root(model, [u for u in units if id(u) not in inside_a_block])
+
+
+def _shared_weights_left_to_the_root(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """``units`` less those holding a parameter that a module outside them also holds: FSDP2 manages a parameter in
+    one unit only, so such a weight goes to the root (BERT's embeddings block shares its word embeddings with the LM
+    head's decoder, which sits at the root). Repeated, as a unit left out passes its parameters to the one above."""
+    while True:
+        unit_ids = {id(u) for u in units}
+        holders: dict[int, set[int]] = {}  # parameter -> the innermost unit (or the root) of each module holding it
+
+        def visit(module: nn.Module, owner: int) -> None:
+            owner = id(module) if id(module) in unit_ids else owner
+            for _, parameter in module.named_parameters(recurse=False, remove_duplicate=False):
+                holders.setdefault(id(parameter), set()).add(owner)
+            for child in module.children():
+                visit(child, owner)
+
+        visit(model, id(model))
+        sharing = {owner for owners in holders.values() if len(owners) > 1 for owner in owners}
+        if not sharing & unit_ids:
+            return units
+        units = [u for u in units if id(u) not in sharing]
 
 
 def _blocks(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
