@@ -237,7 +237,8 @@ def _default_device() -> torch.device:
 
 
 def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
-    """The FSDP units below the root: transformer blocks, plus untied input embeddings and output head.
+    """The FSDP units below the root: transformer blocks, plus untied input embeddings and output head (first, so
+    that one inside a block is sharded before it).
 
     Blocks come from ``wrap_modules`` or the model's ``_no_split_modules`` (transformers' list of layer classes
     that must stay whole). Tied embeddings stay with the root, so the shared weight lives in one unit.
@@ -249,9 +250,12 @@ def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
     tied = embeddings is not None and head is not None and head.weight is embeddings.weight
     if not tied:
         units += [m for m in (embeddings, head) if m is not None and any(True for _ in m.parameters())]
-    units += blocks
     inside_a_block = {id(m) for b in blocks for m in b.modules() if m is not b}
-    return _shared_weights_left_to_the_root(model, [u for u in units if id(u) not in inside_a_block])
+    # an untied embedding or head inside a block stays a unit of its own, nested in the block's: a model may call it
+    # alone (ModernVBERT embeds its tokens through its text model's ``get_input_embeddings()``), which gathers its
+    # weight only if it is a unit
+    units += [b for b in blocks if id(b) not in inside_a_block]
+    return _shared_weights_left_to_the_root(model, units)
 
 
 def _shared_weights_left_to_the_root(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
