@@ -105,6 +105,12 @@ def batch(head: str, config, rank: int) -> dict:
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
         channels = getattr(vision, "num_channels", 3)
         out["pixel_values"] = torch.randn(BATCH, channels, *size, generator=generator)
+        if config.model_type == "siglip2":  # patches already cut out, with each image's grid (its processor's output)
+            side = int(vision.num_patches ** 0.5)
+            out["pixel_values"] = torch.randn(BATCH, side * side, channels * vision.patch_size ** 2,
+                                              generator=generator)
+            out["pixel_attention_mask"] = torch.ones(BATCH, side * side, dtype=torch.long)
+            out["spatial_shapes"] = torch.tensor([[side, side]] * BATCH)
     if head in ("causal-lm", "masked-lm") or head == "seq2seq" and not config.is_encoder_decoder:
         out["labels"] = out["input_ids"].clone()  # a decoder with an audio tower is listed as seq2seq
     elif head == "seq2seq":  # decoder inputs given: no start token to configure

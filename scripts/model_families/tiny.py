@@ -32,7 +32,7 @@ SMALL = {  # each a width the generic rule sets outright, where the default is l
     "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM, "linear_num_key_heads": HEADS,
     "linear_num_value_heads": 2 * HEADS, "moe_intermediate_size": HIDDEN, "shared_expert_intermediate_size": HIDDEN,
     "num_experts": EXPERTS, "num_local_experts": EXPERTS, "n_routed_experts": EXPERTS, "moe_num_experts": EXPERTS,
-    "num_experts_per_tok": 2, "projection_size": HIDDEN, "moe_topk": 2, "top_k": 2, "num_experts_per_token": 2, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "projection_size": HIDDEN, "num_patches": 16, "moe_topk": 2, "top_k": 2, "num_experts_per_token": 2, "n_shared_experts": 1,
     "n_group": 1, "topk_group": 1, "projection_dim": HIDDEN, "embedding_size": HIDDEN, "state_size": 8,
     "mamba_d_state": 8, "ssm_state_size": 8, "mamba_n_heads": 4, "n_mamba_heads": 4, "mamba_head_dim": HEAD_DIM,
     "intermediate_size_mlp": INTERMEDIATE, "num_global_key_value_heads": 1, "global_head_dim": HEAD_DIM,
@@ -42,6 +42,7 @@ SMALL = {  # each a width the generic rule sets outright, where the default is l
     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "lru_width": HIDDEN, "zero_expert_num": 2,
     "expert_ffn_hidden_size": HIDDEN, "num_kv_shared_layers": 0, "index_num_heads": 1, "mlp_only_intermediate_size": HIDDEN,
 }
+TYPE_KEYS = ("layer_types", "layers_block_type", "block_types", "mlp_layer_types")  # per-layer kinds, first found
 KEY_VALUE_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
 
 
@@ -130,14 +131,16 @@ def shrink(config_class, defaults: dict | None = None) -> dict:
         elif key in ("depths", "num_heads", "hidden_sizes", "embed_dims", "dims", "hidden_dims", "encoder_hidden_sizes",
                      "num_attention_heads", "neck_hidden_sizes") and isinstance(value, (list, tuple)) and value:
             out[key] = _shrunk_list(key, list(value))
-    if isinstance(layers, int) and isinstance(defaults.get("layer_types"), list) and len(defaults["layer_types"]) == layers:
-        kept = _kept_layers(defaults["layer_types"])
+    types = next((defaults[k] for k in TYPE_KEYS if isinstance(defaults.get(k), list) and len(defaults[k]) == layers),
+                 None)
+    if isinstance(layers, int) and types:
+        kept = _kept_layers(types)
     else:
         kept = list(range(out.get("num_hidden_layers", layers))) if isinstance(layers, int) else []
     if isinstance(layers, int) and len(kept) != layers:
         out["num_hidden_layers"] = len(kept)
         for key, value in defaults.items():  # what describes or names layers follows the kept ones
-            small = _per_layer(key, value, layers, kept) if key in names else None
+            small = _per_layer(key, value, layers, kept) if key not in ("id2label", "label2id") else None
             if small is not None:
                 out[key] = small
     vocab = out.get("vocab_size", defaults.get("vocab_size"))
