@@ -308,10 +308,12 @@ def _prefetch_gathers(model: nn.Module, units: list[nn.Module]) -> None:
 
 
 def _call(model: nn.Module, method: str) -> nn.Module | None:
+    """``model.method()`` where it returns a module (Perceiver's ``get_input_embeddings`` returns a bare parameter)."""
     try:
-        return getattr(model, method)() if hasattr(model, method) else None
+        found = getattr(model, method)() if hasattr(model, method) else None
     except NotImplementedError:
         return None
+    return found if isinstance(found, nn.Module) else None
 
 
 def _enable_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -> None:
