@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -113,10 +114,10 @@ def _compare(stock: dict, ours: dict, tolerance: dict) -> dict:
     problems = [f"{key} {value:.1e} > {tolerance[key]:.0e}" for key, value in errors.items() if value > tolerance[key]]
     if missing or extra:
         problems.append(f"gradients missing {missing[:3]} / extra {extra[:3]}")
-    if worst and errors["worst_grad"] > tolerance["worst_grad"]:
+    if problems and worst:
         problems.append(f"worst gradient: {worst}")
     return {"class": "fail" if problems else "pass", "reason": "; ".join(problems), "errors": errors,
-            "params": len(names)}
+            "params": len(names), "worst": worst, "grad_norm": float(total)}
 
 
 def _agree(status: tuple) -> list:
@@ -190,10 +191,12 @@ def sweep_ranks(entries: list, preset: str, node_size: int, progress: str, famil
         if rank == 0:
             _append(progress, {"started": [head, family]})
         timer = _watchdog(family_timeout, f"{head}/{family}")
+        start = time.monotonic()
         try:
             record, in_step = one_family(head, family, preset, node_size, tolerance)
         finally:
             timer.cancel()
+        record["seconds"] = round(time.monotonic() - start, 2)
         if rank == 0:
             _append(progress, {"record": record})
         gc.collect()
