@@ -1,4 +1,4 @@
-"""The families of Transformers' auto mappings, by head, and how to build each one tiny with a batch its head trains on."""
+"""The families of Transformers' auto mappings, by head, and how to build each tiny with a batch its head trains on."""
 
 from __future__ import annotations
 

@@ -34,6 +34,9 @@ FIXES: dict = {
     "t5": {"decoder_start_token_id": 0},
     "bit": {"num_groups": 2},
     "efficientnet": {"hidden_dim": 2560, "image_size": 64},
+    # latents and their self-attention stack; the masked-LM decoder predicts every position up to the maximum
+    "perceiver": {"num_latents": 8, "d_latents": 32, "num_self_attends_per_block": 2, "num_self_attention_heads": 2,
+                  "num_cross_attention_heads": 1, "max_position_embeddings": 8, "image_size": 16},
     ("causal-lm", "reformer"): {"is_decoder": True},
     "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [2, 4], "max_position_embeddings": 8,
                  "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 4, "num_buckets": 2},

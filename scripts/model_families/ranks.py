@@ -73,7 +73,8 @@ def _sharded(head: str, family: str, config, preset: str, node_size: int) -> dic
     from torch.distributed.tensor import DTensor
 
     rank = dist.get_rank()
-    model = hf_zeropp.shard_model(build(head, family, config), hf_zeropp.ZeroPPConfig.preset(preset, node_size=node_size))
+    config_of_preset = hf_zeropp.ZeroPPConfig.preset(preset, node_size=node_size)
+    model = hf_zeropp.shard_model(build(head, family, config), config_of_preset)
     optimizer = _optimizer(model)
     inputs = batch(head, config, rank)
     value = loss(model, inputs, rank)

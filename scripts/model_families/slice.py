@@ -1,7 +1,8 @@
 """The representative slice the CI runs (tests/test_model_families.py) and ZeRO++ sweeps: every head, dense and
 mixture-of-experts decoders, sliding-window, linear-attention and state-space layers, shared (ALBERT) and tied
-weights (one across units: BERT's, BART's), an empty weight (MobileBERT's), an embedding called alone (ModernVBERT), encoder-decoders, convolutional and windowed vision models, and the contrastive towers with their 0-d or
-1-element parameters."""
+weights (one across units: BERT's, BART's), an empty weight (MobileBERT's), an embedding called alone (ModernVBERT),
+encoder-decoders, convolutional and windowed vision models, and the contrastive towers with their 0-d or 1-element
+parameters."""
 
 CI_SLICE = [
     ("causal-lm", "llama"), ("causal-lm", "gpt2"), ("causal-lm", "mixtral"), ("causal-lm", "qwen3_moe"),

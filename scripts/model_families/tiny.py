@@ -32,7 +32,8 @@ SMALL = {  # each a width the generic rule sets outright, where the default is l
     "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM, "linear_num_key_heads": HEADS,
     "linear_num_value_heads": 2 * HEADS, "moe_intermediate_size": HIDDEN, "shared_expert_intermediate_size": HIDDEN,
     "num_experts": EXPERTS, "num_local_experts": EXPERTS, "n_routed_experts": EXPERTS, "moe_num_experts": EXPERTS,
-    "num_experts_per_tok": 2, "projection_size": HIDDEN, "num_patches": 16, "moe_topk": 2, "top_k": 2, "num_experts_per_token": 2, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "projection_size": HIDDEN, "num_patches": 16, "moe_topk": 2, "top_k": 2,
+    "num_experts_per_token": 2, "n_shared_experts": 1,
     "n_group": 1, "topk_group": 1, "projection_dim": HIDDEN, "embedding_size": HIDDEN, "state_size": 8,
     "mamba_d_state": 8, "ssm_state_size": 8, "mamba_n_heads": 4, "n_mamba_heads": 4, "mamba_head_dim": HEAD_DIM,
     "intermediate_size_mlp": INTERMEDIATE, "num_global_key_value_heads": 1, "global_head_dim": HEAD_DIM,
@@ -40,7 +41,8 @@ SMALL = {  # each a width the generic rule sets outright, where the default is l
     "rotary_emb_base_dim": HEAD_DIM // 2, "moe_k": 2, "moe_num_shared_experts": 1, "time_step_rank": 8,
     "mamba_dt_rank": 8, "mamba_d_head": HEAD_DIM, "mamba_headdim": HEAD_DIM, "laurel_rank": 8, "adapter_rank": 8,
     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "lru_width": HIDDEN, "zero_expert_num": 2,
-    "expert_ffn_hidden_size": HIDDEN, "num_kv_shared_layers": 0, "index_num_heads": 1, "mlp_only_intermediate_size": HIDDEN,
+    "expert_ffn_hidden_size": HIDDEN, "num_kv_shared_layers": 0, "index_num_heads": 1,
+    "mlp_only_intermediate_size": HIDDEN,
 }
 TYPE_KEYS = ("layer_types", "layers_block_type", "block_types", "mlp_layer_types")  # per-layer kinds, first found
 KEY_VALUE_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
