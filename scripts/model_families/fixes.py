@@ -37,6 +37,7 @@ FIXES: dict = {
     # latents and their self-attention stack; the masked-LM decoder predicts every position up to the maximum
     "perceiver": {"num_latents": 8, "d_latents": 32, "num_self_attends_per_block": 2, "num_self_attention_heads": 2,
                   "num_cross_attention_heads": 1, "max_position_embeddings": 8, "image_size": 16},
+    "switch_transformers": {"num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1},  # else no expert layer
     ("causal-lm", "reformer"): {"is_decoder": True},
     "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [2, 4], "max_position_embeddings": 8,
                  "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 4, "num_buckets": 2},

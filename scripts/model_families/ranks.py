@@ -112,7 +112,7 @@ def _compare(stock: dict, ours: dict, tolerance: dict) -> dict:
     errors = {"loss": abs(ours["loss"] - stock["loss"]) / max(abs(stock["loss"]), 1e-12),
               "grad": float(whole), "worst_grad": diffs.get(worst, 0.0),
               "loss_after": abs(ours["loss_after"] - stock["loss_after"]) / max(abs(stock["loss_after"]), 1e-12)}
-    problems = [f"{key} {value:.1e} > {tolerance[key]:.0e}" for key, value in errors.items() if value > tolerance[key]]
+    problems = [f"{key} {value:.1e} > {tolerance[key]:g}" for key, value in errors.items() if value > tolerance[key]]
     if missing or extra:
         problems.append(f"gradients missing {missing[:3]} / extra {extra[:3]}")
     if problems and worst:

@@ -9,7 +9,7 @@ CI_SLICE = [
     ("causal-lm", "deepseek_v3"), ("causal-lm", "gemma3_text"), ("causal-lm", "qwen3_next"), ("causal-lm", "mamba"),
     ("causal-lm", "phi3"), ("causal-lm", "gpt_neox"), ("causal-lm", "bloom"), ("causal-lm", "opt"),
     ("masked-lm", "bert"), ("masked-lm", "albert"), ("masked-lm", "mobilebert"), ("masked-lm", "modernvbert"),
-    ("seq2seq", "t5"), ("seq2seq", "bart"), ("seq2seq", "switch_transformers"),
+    ("seq2seq", "t5"), ("seq2seq", "bart"), ("seq2seq", "marian"),
     ("seq-cls", "llama"), ("seq-cls", "bart"), ("seq-cls", "xlnet"),
     ("image-cls", "vit"), ("image-cls", "resnet"), ("image-cls", "convnext"), ("image-cls", "swin"),
     ("contrastive", "clip"), ("contrastive", "siglip"), ("contrastive", "siglip2"), ("contrastive", "blip"),
