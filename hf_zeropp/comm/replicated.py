@@ -2,8 +2,10 @@
 
 ``fully_shard`` refuses two kinds of parameter (torch 2.13): 0-d ones (``_verify_managed_param``: there is no dim
 to shard; Accelerate's ``RegressionModel`` has two, CLIP's ``logit_scale`` is one, SigLIP's is a 1-element vector,
-which it shards) and non-contiguous ones (``FSDPParam``'s ``NotImplementedError``; any shape it takes otherwise, an
-empty one or one with fewer rows than ranks included). DDP and DeepSpeed train such models, so
+which it shards) and non-contiguous ones (``FSDPParam``'s ``NotImplementedError``; any shape it takes otherwise, one
+with fewer rows than ranks included). It takes an empty one but fails at its first gradient reduce-scatter
+(``_chunk_cat expects non-empty tensor``; MobileBERT's LM head has a ``(hidden - embedding, hidden)`` weight, empty
+where the two widths are equal), so empty ones are kept here too. DDP and DeepSpeed train such models, so
 :func:`hf_zeropp.shard_model` does not fail on them: it passes them to every ``fully_shard`` call as ``ignored_params``
 (FSDP2's own way to leave a parameter unmanaged) and this module gives them what FSDP2 gives the parameters it shards:
 
@@ -47,6 +49,8 @@ def _refusal(param: nn.Parameter) -> str | None:
     """Why ``fully_shard`` would refuse ``param`` (torch 2.13), or None if it shards it."""
     if param.dim() == 0:
         return "0-d"
+    if param.numel() == 0:
+        return f"empty, shape {tuple(param.shape)}"
     if not param.is_contiguous():
         return f"non-contiguous, stride {tuple(param.stride())}"
     return None

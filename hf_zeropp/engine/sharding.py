@@ -261,7 +261,8 @@ def _default_device() -> torch.device:
 
 
 def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
-    """The FSDP units below the root: transformer blocks, plus untied input embeddings and output head.
+    """The FSDP units below the root: transformer blocks, plus untied input embeddings and output head (first, so
+    that one inside a block is sharded before it).
 
     Blocks come from ``wrap_modules`` or the model's ``_no_split_modules`` (transformers' list of layer classes
     that must stay whole). Tied embeddings stay with the root, so the shared weight lives in one unit.
@@ -273,9 +274,34 @@ def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
     tied = embeddings is not None and head is not None and head.weight is embeddings.weight
     if not tied:
         units += [m for m in (embeddings, head) if m is not None and any(True for _ in m.parameters())]
-    units += blocks
     inside_a_block = {id(m) for b in blocks for m in b.modules() if m is not b}
-    return [u for u in units if id(u) not in inside_a_block]
+    # an untied embedding or head inside a block stays a unit of its own, nested in the block's: a model may call it
+    # alone (ModernVBERT embeds its tokens through its text model's ``get_input_embeddings()``), which gathers its
+    # weight only if it is a unit
+    units += [b for b in blocks if id(b) not in inside_a_block]
+    return _shared_weights_left_to_the_root(model, units)
+
+
+def _shared_weights_left_to_the_root(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """``units`` less those holding a parameter that a module outside them also holds: FSDP2 manages a parameter in
+    one unit only, so such a weight goes to the root (BERT's embeddings block shares its word embeddings with the LM
+    head's decoder, which sits at the root). Repeated, as a unit left out passes its parameters to the one above."""
+    while True:
+        unit_ids = {id(u) for u in units}
+        holders: dict[int, set[int]] = {}  # parameter -> the innermost unit (or the root) of each module holding it
+
+        def visit(module: nn.Module, owner: int) -> None:
+            owner = id(module) if id(module) in unit_ids else owner
+            for _, parameter in module.named_parameters(recurse=False, remove_duplicate=False):
+                holders.setdefault(id(parameter), set()).add(owner)
+            for child in module.children():
+                visit(child, owner)
+
+        visit(model, id(model))
+        sharing = {owner for owners in holders.values() if len(owners) > 1 for owner in owners}
+        if not sharing & unit_ids:
+            return units
+        units = [u for u in units if id(u) not in sharing]
 
 
 def _blocks(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
@@ -306,10 +332,12 @@ def _prefetch_gathers(model: nn.Module, units: list[nn.Module]) -> None:
 
 
 def _call(model: nn.Module, method: str) -> nn.Module | None:
+    """``model.method()`` where it returns a module (Perceiver's ``get_input_embeddings`` returns a bare parameter)."""
     try:
-        return getattr(model, method)() if hasattr(model, method) else None
+        found = getattr(model, method)() if hasattr(model, method) else None
     except NotImplementedError:
         return None
+    return found if isinstance(found, nn.Module) else None
 
 
 def _enable_activation_checkpointing(model: nn.Module, units: list[nn.Module]) -> None:
