@@ -11,7 +11,7 @@ from hf_zeropp.testing.spawn import run_distributed
 from .ranks import sweep_ranks
 
 # zero3 is exact (fp32, the same math in another order); ZeRO++ quantizes weights to INT8 and gradients to INT4, so
-# it is held to the bounds tests/test_replicated_parameters.py holds it to (5 % on the loss, 15 % on weights)
+# it is held to the bounds tests/comm/test_replicated_parameters.py holds it to (5 % on the loss, 15 % on weights)
 TOLERANCE = {
     "zero3": {"loss": 1e-5, "grad": 1e-5, "worst_grad": 1e-4, "loss_after": 1e-5},
     "zeropp": {"loss": 0.05, "grad": 0.25, "worst_grad": 1.0, "loss_after": 0.05},
