@@ -112,7 +112,9 @@ def test_switched_off_sections_and_dtypes_map_quietly():
               "communication_data_type": "bf16"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert options_from_deepspeed(config) == {"stage": 3, "reduce_dtype": "bf16"}
+        assert options_from_deepspeed(config) == {"stage": 3, "reduce_dtype": "bf16", "max_live_parameters": 10**9,
+                                                  "max_reuse_distance": 10**9, "persistence_threshold": 10**5,
+                                                  "prefetch_bucket_size": 5 * 10**7}  # DeepSpeed's defaults
 
 
 def test_shard_model_refuses_a_training_loop_it_would_not_run():

@@ -237,7 +237,8 @@ def deepspeed_key_table() -> str:
 
 def _key_fates() -> list[tuple[str, str]]:
     rows = [(f"zero_optimization.{key}", f"mapped: `{option}`") for key, option in MAPPED.items()]
-    rows += [(f"zero_optimization.{key}", f"stage 3: mapped: `{option}` (absent: DeepSpeed's {default:.0e})")
+    rows += [(f"zero_optimization.{key}", f"mapped at stage 3: `{option}` (absent: DeepSpeed's default "
+                                          f"{_power_of_ten(default)}); ignored with a warning at stages 0-2")
              for key, (option, default) in STAGE3_MAPPED.items()]
     rows += [(f"zero_optimization.{key}.device", "cpu: mapped to `cpu_offload` (FSDP2 CPUOffloadPolicy); nvme: "
                                                 "refused") for key in OFFLOAD]
@@ -256,3 +257,9 @@ def _key_fates() -> list[tuple[str, str]]:
              for key in sorted(ENGINE_ONLY)]
     rows += [(key, f"refused unless enabled: false ({why})") for key, why in REFUSED_WHEN_ENABLED.items()]
     return rows
+
+
+def _power_of_ten(value: int) -> str:
+    """1000000000 as DeepSpeed's docs write it: 1e9."""
+    mantissa, exponent = f"{value:.0e}".split("e+")
+    return f"{mantissa}e{int(exponent)}"
