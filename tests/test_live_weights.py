@@ -73,6 +73,7 @@ RUNS = {
     "all kept, deep prefetch": {"stage": 3, "max_live_parameters": 10**9, "max_reuse_distance": 10**9,
                                 "prefetch_bucket_size": 10**9},
     "last unit kept": {"stage": 3, "max_live_parameters": ROOT + BLOCK, "max_reuse_distance": 10**9},
+    "none kept, deep prefetch": {"stage": 3, "prefetch_bucket_size": 10**9},
     "deepspeed docs": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto",
                                              "stage3_prefetch_bucket_size": "auto"}},
 }
@@ -122,6 +123,8 @@ def test_kept_units_gather_once_per_step(runs):
     assert gathered("zero3", "bwd_allgather") > 0
     assert gathered("all kept, deep prefetch", "bwd_allgather") == 0
     assert gathered("all kept, deep prefetch", "fwd_allgather") == forward
+    for kind in ("fwd_allgather", "bwd_allgather"):  # prefetching every unit ahead gathers no more than one ahead
+        assert gathered("none kept, deep prefetch", kind) == gathered("zero3", kind)
     # the backward gathers the two units that reshard, not the kept one: 2 of the 3 blocks' bytes
     assert gathered("last unit kept", "bwd_allgather") == pytest.approx(gathered("zero3", "bwd_allgather") * 2 / 3,
                                                                          rel=0.01)

@@ -29,6 +29,8 @@ STAGE3_MAPPED = {
     "stage3_param_persistence_threshold": ("persistence_threshold", 10**5),
     "stage3_prefetch_bucket_size": ("prefetch_bucket_size", 5 * 10**7),
 }
+# the options a stage-3 DeepSpeed config without these keys maps to
+STAGE3_DEFAULTS = {option: default for option, default in STAGE3_MAPPED.values()}
 # zero_optimization keys that only tune DeepSpeed's own buffers and scheduling; FSDP2 has its own, so they are ignored.
 TUNING_ONLY = {
     "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
