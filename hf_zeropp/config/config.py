@@ -32,7 +32,6 @@ from .presets import PRESETS
 
 # The subjects the options are grouped by, in the order of the fields (and of the README's option table).
 SHARDING = "sharding"
-STAGE3 = "stage 3 memory: weights kept gathered, replicated, prefetched (DeepSpeed's stage3_* keys)"
 QWZ = "qwZ: quantized weights"
 HPZ = "hpZ: hierarchical weight partition"
 HYBRID = "hybrid sharding: sharded in the node, replicated across nodes"
@@ -44,7 +43,7 @@ KERNELS = "kernels"
 SCHEDULE = "schedules (Trainer integration only)"
 TRAINING = "training loop of a DeepSpeed config (Trainer and Accelerator integrations)"
 # A config file may group its options under these section keys (flat keys work as well).
-SECTIONS = {"sharding": SHARDING, "stage3": STAGE3, "weights": QWZ, "hpz": HPZ, "hybrid": HYBRID, "gradients": QGZ, "accuracy": ACCURACY,
+SECTIONS = {"sharding": SHARDING, "weights": QWZ, "hpz": HPZ, "hybrid": HYBRID, "gradients": QGZ, "accuracy": ACCURACY,
             "experimental": EXPERIMENTAL, "launch": LAUNCH, "kernels": KERNELS, "schedules": SCHEDULE,
             "training": TRAINING}
 
@@ -90,21 +89,21 @@ class ZeroPPConfig:
         "per_call", SHARDING, '`generate()` gathers the weights once per call and frees them after it (each rank '
                               'then holds one full copy in the compute dtype), or `"per_token"`: once per forward, '
                               'as FSDP does (for models too large to hold gathered)')
-    # ---------------------------------------------------------------- stage 3 memory knobs
+    # ---------------------------------------------------------------- sharding: stage 3's memory knobs
     max_live_parameters: int = _option(
-        0, STAGE3, "stage 3: elements of gathered weights that may stay gathered from forward to backward (the "
+        0, SHARDING, "stage 3: elements of gathered weights that may stay gathered from forward to backward (the "
                    "root's included); the units nearest the loss keep theirs first (FSDP2 reshard_after_forward=False "
                    "per unit), the rest reshard. 0 = every unit reshards (DeepSpeed's stage3_max_live_parameters)")
     max_reuse_distance: int = _option(
-        0, STAGE3, "stage 3: a unit stays gathered only if fewer elements than this are gathered between its forward "
+        0, SHARDING, "stage 3: a unit stays gathered only if fewer elements than this are gathered between its forward "
                    "and its backward (DeepSpeed's stage3_max_reuse_distance; 0 = none)")
     persistence_threshold: int | Literal["auto"] = _option(
-        0, STAGE3, 'stage 3: parameters of at most this many elements are never sharded: replicated, gradients '
+        0, SHARDING, 'stage 3: parameters of at most this many elements are never sharded: replicated, gradients '
                    'all-reduced in one fp32 collective per backward; "auto" = 10 x the model\'s hidden size, as '
                    'Transformers fills it (DeepSpeed\'s stage3_param_persistence_threshold; 0 = off)',
         invalid="must be {allowed}")
     prefetch_bucket_size: int | Literal["auto"] | None = _option(
-        None, STAGE3, 'stage 3: elements of the following units whose gathers start ahead of use, in forward and '
+        None, SHARDING, 'stage 3: elements of the following units whose gathers start ahead of use, in forward and '
                       'backward (at least one unit); "auto" = 0.9 x hidden size squared, as Transformers fills it; '
                       "None = FSDP2's one unit ahead (DeepSpeed's stage3_prefetch_bucket_size)",
         invalid="must be {allowed}")
