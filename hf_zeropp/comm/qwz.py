@@ -6,7 +6,7 @@ default, one symmetric scale per block), all-gathers codes and scales, and dequa
 the output — this rank's own slot too, so all ranks compute with bit-identical weights.
 
 FSDP's prefetch calls it with ``async_op=True`` (on CPU hf_zeropp asks FSDP for that, see
-``sharding._prefetch_gathers``): the codes are then on the wire while the previous unit computes, and the returned
+``live_weights.prefetch_gathers``): the codes are then on the wire while the previous unit computes, and the returned
 work dequantizes them when FSDP waits for the gather.
 
 Only gathers whose group spans more than one node are quantized unless ``quantize_hpz_gather`` is set: the

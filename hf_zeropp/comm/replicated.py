@@ -59,20 +59,29 @@ def _refusal(param: nn.Parameter) -> str | None:
 class ReplicatedParameters:
     """The parameters of one model that FSDP2 cannot shard (by name), and their gradient all-reduce."""
 
-    def __init__(self, model: nn.Module, topology: Topology, meter: CommMeter) -> None:
-        self.reasons = {name: why for name, param in model.named_parameters() if (why := _refusal(param))}
+    def __init__(self, model: nn.Module, topology: Topology, meter: CommMeter,
+                 persistent: dict[str, str] | None = None) -> None:
+        """``persistent``: parameters asked to stay whole (stage 3's ``persistence_threshold``), by name, with why;
+        kept as those FSDP2 refuses, and recorded in ``comm_stats()`` without a warning (they were asked for)."""
+        refused = {name: why for name, param in model.named_parameters() if (why := _refusal(param))}
+        self.reasons = {**(persistent or {}), **refused}
         self.ignored = {model.get_parameter(name) for name in self.reasons}  # fully_shard's ignored_params
         self.topology, self.meter = topology, meter
         self.sync = True  # False inside no_sync at stages 0 and 1 (ZeroPPModule.set_requires_gradient_sync)
         self._queued = False
-        if self.reasons:
-            self._report()
+        if refused:
+            self._report(refused)
+        if persistent:
+            self.meter.conditions["persistent_parameters"] = (
+                f"{len(persistent)} parameters at or below persistence_threshold are never sharded "
+                f"({sum(model.get_parameter(name).numel() for name in persistent):,} elements on every rank); their "
+                f"gradients are all-reduced in fp32 in one collective per backward")
 
-    def _report(self) -> None:
+    def _report(self, refused: dict[str, str]) -> None:
         """Say once, on rank 0, which parameters stay replicated, and record it in ``comm_stats()``."""
-        listed = ", ".join(f"{name} ({why})" for name, why in self.reasons.items())
-        count = "1 parameter FSDP2 cannot shard is" if len(self.reasons) == 1 else \
-            f"{len(self.reasons)} parameters FSDP2 cannot shard are"
+        listed = ", ".join(f"{name} ({why})" for name, why in refused.items())
+        count = "1 parameter FSDP2 cannot shard is" if len(refused) == 1 else \
+            f"{len(refused)} parameters FSDP2 cannot shard are"
         line = f"{count} replicated on every rank, gradients all-reduced in full precision as DDP does: {listed}"
         self.meter.conditions["replicated_parameters"] = line
         if self.topology.rank == 0:

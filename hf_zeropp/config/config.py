@@ -89,6 +89,24 @@ class ZeroPPConfig:
         "per_call", SHARDING, '`generate()` gathers the weights once per call and frees them after it (each rank '
                               'then holds one full copy in the compute dtype), or `"per_token"`: once per forward, '
                               'as FSDP does (for models too large to hold gathered)')
+    # ---------------------------------------------------------------- sharding: stage 3's memory knobs
+    max_live_parameters: int = _option(
+        0, SHARDING, "stage 3: elements of gathered weights that may stay gathered from forward to backward (the "
+                   "root's included); the units nearest the loss keep theirs first (FSDP2 reshard_after_forward=False "
+                   "per unit), the rest reshard. 0 = every unit reshards (DeepSpeed's stage3_max_live_parameters)")
+    max_reuse_distance: int = _option(
+        0, SHARDING, "stage 3: a unit stays gathered only if fewer elements than this are gathered between its forward "
+                   "and its backward (DeepSpeed's stage3_max_reuse_distance; 0 = none)")
+    persistence_threshold: int | Literal["auto"] = _option(
+        0, SHARDING, 'stage 3: parameters of at most this many elements are never sharded: replicated, gradients '
+                   'all-reduced in one fp32 collective per backward; "auto" = 10 x the model\'s hidden size, as '
+                   'Transformers fills it (DeepSpeed\'s stage3_param_persistence_threshold; 0 = off)',
+        invalid="must be {allowed}")
+    prefetch_bucket_size: int | Literal["auto"] | None = _option(
+        None, SHARDING, 'stage 3: elements of the following units whose gathers start ahead of use, in forward and '
+                      'backward (at least one unit); "auto" = 0.9 x hidden size squared, as Transformers fills it; '
+                      "None = FSDP2's one unit ahead (DeepSpeed's stage3_prefetch_bucket_size)",
+        invalid="must be {allowed}")
     # ---------------------------------------------------------------- qwZ
     quantized_weights: bool = _option(
         False, QWZ, "qwZ: block-quantized forward all-gather (stages 1–3)")

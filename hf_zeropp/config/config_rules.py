@@ -15,6 +15,8 @@ BLOCK_ALIGNMENT = 8
 # ``*_until`` field -> the technique it switches off (set_techniques' keyword)
 SCHEDULED_TECHNIQUES = {"quantized_weights_until": "quantized_weights", "hpz_until": "hpz",
                         "quantized_gradients_until": "quantized_gradients"}
+# stage 3's memory knobs (DeepSpeed's stage3_* keys): off at 0 (prefetch_bucket_size: None)
+STAGE3_KNOBS = ("max_live_parameters", "max_reuse_distance", "persistence_threshold", "prefetch_bucket_size")
 # what ``shard_group: auto`` carries into the configuration it chooses (every other option comes from that preset)
 AUTO_KEEPS = ("mixed_precision", "reduce_dtype", "wrap_modules", "activation_checkpointing", "cpu_offload",
               "generation_gather", "node_size", "kernel_backend", "block_size", "seed", "deepspeed_training")
@@ -45,6 +47,10 @@ def _check_values(config: Any) -> None:
         raise ValueError(f"node_size={config.node_size} must be >= 1 (or None to detect it from the launch)")
     if isinstance(config.hpz_partition_size, int) and config.hpz_partition_size < 1:
         raise ValueError(f"hpz_partition_size={config.hpz_partition_size} must be >= 1 (1 turns hpZ off)")
+    for name in STAGE3_KNOBS:
+        value = getattr(config, name)
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"{name}={value} must be >= 0 (a number of elements; 0 turns it off)")
     for name in SCHEDULED_TECHNIQUES:
         value = getattr(config, name)
         if value is not None and not 0 < value <= 1:
@@ -130,8 +136,11 @@ def _check_stage_supports_options(config: Any) -> None:
         "quantized_gradients": (config.quantized_gradients, (1, 2, 3)),
         "quantized_nontrainable_weights": (config.quantized_nontrainable_weights, (1, 2, 3)),
     }
+    wanted.update({name: (getattr(config, name) not in (0, None), (3,)) for name in STAGE3_KNOBS})
     for name, (on, stages) in wanted.items():
         why = ("hpZ keeps a secondary shard of weights that only stage 3 reshards" if name == "hpz_partition_size"
+               else "stages 1 and 2 keep every unit's weights gathered from forward to backward already"
+               if name in STAGE3_KNOBS
                else "stage 0 keeps full replicas, with no shards to offload" if name == "cpu_offload"
                else "stage 0 is plain data parallel with no sharded collectives to change")
         if on and config.stage not in stages:

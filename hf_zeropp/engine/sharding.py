@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
-from .._compat import apply_activation_checkpointing, no_split_modules, set_unshard_async_op, uncompiled
+from .._compat import apply_activation_checkpointing, no_split_modules, uncompiled
 from .auto import choose as choose_configuration
 from .auto_trial import start_trial
 from ..comm.comm_meter import CommMeter
@@ -39,6 +39,7 @@ from ..interop.hf_checkpoint import MAX_SHARD_SIZE, write_pretrained, writes_per
 from ..comm.hpz import shared_hpz_mesh
 from ..comm.hybrid import check_hybrid_fits, install_hybrid_all_reduce
 from .inference import route_generate
+from .live_weights import persistent_parameters, prefetch_gathers, resolve_hidden_size_auto, units_kept_gathered
 from .materialize import (RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source,
                           loading_description)
 from .optimizer_hooks import watch_parameters
@@ -70,7 +71,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
         shard_model(inner, config, device=device, runs_schedule=runs_schedule, frozen=frozen)
         record_whole_model_compile(model, "torch.compile(model) before shard_model or prepare")
         return model
-    config = ZeroPPConfig.coerce(config)
+    config = resolve_hidden_size_auto(model, ZeroPPConfig.coerce(config))
     topology, device, has_blocks = _check_before_any_collective(model, config, device, runs_schedule)
     if frozen:  # after the checks: a refused call leaves the model as it was
         model.requires_grad_(False)
@@ -83,8 +84,12 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     meter = meter or CommMeter(topology)
     original_class, before = type(model), dict(model.named_parameters())
     placement, rank0_state = _place_weights(model, config, topology, device, meter)
-    replicated = ReplicatedParameters(model, topology, meter)  # those fully_shard refuses (0-d): DDP's way
-    units = _apply_fsdp_units(model, config, topology, device, frozen, replicated.ignored)
+    persistent, not_persisted = persistent_parameters(model, config)
+    if not_persisted:
+        _warn_and_record(meter, topology, "persistence_threshold", not_persisted)
+    # those fully_shard refuses (0-d) and those asked to persist: DDP's way
+    replicated = ReplicatedParameters(model, topology, meter, persistent)
+    units = _apply_fsdp_units(model, config, topology, device, frozen, replicated.ignored, meter)
     model.__class__ = _zeropp_class(type(model), original_class)
     fill_shards(model, placement, rank0_state, topology, device)
     del rank0_state  # rank 0's full copy goes now
@@ -187,10 +192,11 @@ def _make_replicas_equal(model: nn.Module, topology: Topology, device: torch.dev
 
 
 def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
-                      frozen: bool, ignored: set[nn.Parameter]) -> list[nn.Module]:
+                      frozen: bool, ignored: set[nn.Parameter], meter: CommMeter) -> list[nn.Module]:
     """``fully_shard`` every unit and the root with the stage's resharding (hpZ: an integer, on the topology's one
-    hpZ mesh), activation checkpointing first if asked, leaving the ``ignored`` parameters to
-    :mod:`hf_zeropp.comm.replicated`; returns the units below the root."""
+    hpZ mesh; stage 3 units within the live-weights budget: none, :mod:`hf_zeropp.engine.live_weights`), activation
+    checkpointing first if asked, leaving the ``ignored`` parameters to :mod:`hf_zeropp.comm.replicated`; returns the
+    units below the root."""
     units = _units(model, config.wrap_modules)
     if config.activation_checkpointing:
         _enable_activation_checkpointing(model, units)
@@ -206,9 +212,13 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
     mesh = _sharding_mesh(config, topology)
     # pinned host memory makes the copies to and from a GPU asynchronous; on a CPU-only run there is no device
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if config.cpu_offload else OffloadPolicy()
+    kept, decided = units_kept_gathered(model, units, config, ignored) if not frozen else ([], None)
+    if decided:
+        meter.conditions["live_weights"] = decided
     with shared_hpz_mesh(topology):
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policies[unit],
+            unit_reshard = False if any(unit is k for k in kept) else reshard
+            fully_shard(unit, mesh=mesh, reshard_after_forward=unit_reshard, mp_policy=policies[unit],
                         offload_policy=offload, ignored_params=ignored)
         # the root keeps its weights gathered from forward to backward, as stock FSDP2's root does: backward
         # starts with it, so resharding would only gather the same weights again (the tied embedding, mostly).
@@ -216,8 +226,7 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
         root_reshard = reshard if frozen else False
         fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policies[model],
                     offload_policy=offload, ignored_params=ignored)
-    if device.type == "cpu":
-        _prefetch_gathers(model, units)
+    prefetch_gathers(model, units, config, ignored, device)
     return units
 
 
@@ -237,6 +246,13 @@ def _mixed_precision_policies(model: nn.Module, units: list[nn.Module], config: 
         policies[unit] = MixedPrecisionPolicy(param_dtype=_DTYPES[config.mixed_precision],
                                               reduce_dtype=_DTYPES[config.reduce_dtype], cast_forward_inputs=gathers)
     return policies
+
+
+def _warn_and_record(meter: CommMeter, topology: Topology, option: str, line: str) -> None:
+    """A requested option that cannot apply: said once on rank 0 and kept in ``comm_stats()["implementations"]``."""
+    meter.conditions[option] = line
+    if topology.rank == 0:
+        warnings.warn(f"hf_zeropp: {line}", stacklevel=4)
 
 
 def _sharding_mesh(config: ZeroPPConfig, topology: Topology):
@@ -312,23 +328,6 @@ def _blocks(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]
         raise ValueError(f"wrap_modules={wrap_modules} matches no submodule of {type(model).__name__}; "
                          f"use class names of its layers")
     return blocks
-
-
-def _prefetch_gathers(model: nn.Module, units: list[nn.Module]) -> None:
-    """Overlap the weight gathers with compute where collectives block the host (gloo on CPU).
-
-    On CUDA, FSDP runs its gathers on a separate stream and the host runs ahead, so they overlap by themselves. On
-    CPU a collective called without ``async_op`` blocks until its bytes have arrived, so FSDP is told to issue
-    every gather asynchronously and, in forward, to start each unit's gather when the unit before it starts
-    computing (backward prefetches one unit ahead by default). Units are chained in the order ``model.modules()``
-    visits them, the execution order of transformers models; where it is not, a gather starts early and its
-    weights are held longer, nothing else. A prefetched gather that no forward consumed is dropped by
-    :func:`hf_zeropp.comm.hpz.reshard_all`, so an optimizer step never leaves one holding old weights."""
-    position = {id(module): index for index, module in enumerate(model.modules())}
-    chain = [model, *sorted(units, key=lambda unit: position[id(unit)])]
-    for current, following in zip(chain, chain[1:]):
-        current.set_modules_to_forward_prefetch([following])
-    set_unshard_async_op(model, True)
 
 
 def _call(model: nn.Module, method: str) -> nn.Module | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hf_zeropp.testing.emulated_network import parse_rate
 
+from .configs import deepspeed_peer
 from .wire import KINDS, expected_node_wire
 
 
@@ -87,7 +88,9 @@ def analyse(link_results: dict[str, dict], args) -> dict:
                 row["link_efficiency"] = row["wire_bound_s"] / row["median_step_s"]
         base = rows.get("FSDP2")
         z3 = rows.get("ZeRO-3")
-        for row in rows.values():
+        for name, row in rows.items():
+            if deepspeed_peer(name) in rows:  # an hf twin: its step over DeepSpeed's, same config, same launch
+                row["twin_over_deepspeed"] = row["median_step_s"] / rows[deepspeed_peer(name)]["median_step_s"]
             if base:
                 row["speedup_vs_fsdp2"] = base["median_step_s"] / row["median_step_s"]
             if z3:

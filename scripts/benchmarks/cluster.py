@@ -19,7 +19,9 @@ configuration is trained side by side (random token batches of the same shape):
 
 Named in ``--configs`` only: ``ZeRO-2`` (``stage=2``), and DeepSpeed's own ZeRO-3, its ZeRO-3 releasing every weight
 after use (``DeepSpeed ZeRO-3 regather``), hpZ, qwZ and qgZ, run in ``--python``, an interpreter with DeepSpeed
-(scripts/benchmarks/deepspeed_env.sh); those that raise on this machine are listed as not run.
+(scripts/benchmarks/deepspeed_env.sh); those that raise on this machine are listed as not run. Each has an ``hf``
+twin (``hf DeepSpeed ZeRO-3``, ...): the same ``zero_optimization`` dict given to hf_zeropp, its step divided by
+DeepSpeed's in the table's ``÷ DeepSpeed`` column.
 
 All run bf16 weights and bf16 gradient reduction (``mixed_precision="bf16", reduce_dtype="bf16"``; the stock
 peer gets the same ``MixedPrecisionPolicy``), fp32 master weights, AdamW.
@@ -76,7 +78,7 @@ import time
 
 
 from .analysis import analyse, targets
-from .configs import CONFIGS, DEEPSPEED, LINKS, ON_REQUEST
+from .configs import CONFIGS, DEEPSPEED, HF_TWINS, LINKS, ON_REQUEST
 from .orchestrate import output_folder, parse_cli, requirements_problem, run_link, run_links
 from .report import chart, markdown, write
 from .wire import KINDS, expected_node_wire, wire_factors
@@ -107,7 +109,7 @@ def main() -> int:
     parser.add_argument("--breakdown-steps", type=int, default=2,
                         help="extra steps per hf_zeropp configuration under torch.profiler (time in the all-gather / "
                              "reduce-scatter calls and their kernels); 0 = off")
-    args = parse_cli(parser, CONFIGS, {**ON_REQUEST, **DEEPSPEED})
+    args = parse_cli(parser, CONFIGS, {**ON_REQUEST, **DEEPSPEED, **HF_TWINS})
     if args.worker:
         from .worker import worker  # torch, transformers and hf_zeropp: only on the ranks
 

@@ -3,7 +3,8 @@
 ``ON_REQUEST`` configurations run only when named in ``--configs``. So do those of ``DEEPSPEED``, DeepSpeed's own
 ZeRO-3 and ZeRO++ (its ``zero_optimization`` options; ``"node"`` is the ranks per node), which also need an
 interpreter that has ``deepspeed`` (``--python``; scripts/benchmarks/deepspeed_env.sh): it is installed for this
-benchmark alone, never as a dependency of hf_zeropp."""
+benchmark alone, never as a dependency of hf_zeropp. Each has an ``hf `` twin in ``HF_TWINS``: the same
+``zero_optimization`` dict given to hf_zeropp (``ZeroPPConfig.from_deepspeed``), so that like is compared with like."""
 
 from __future__ import annotations
 
@@ -35,3 +36,9 @@ DEEPSPEED: dict[str, dict] = {
     "DeepSpeed qwZ": {"stage": 3, "zero_quantized_weights": True},
     "DeepSpeed qgZ": {"stage": 3, "zero_quantized_gradients": True},
 }
+HF_TWINS: dict[str, dict] = {f"hf {name}": zero for name, zero in DEEPSPEED.items()}
+
+
+def deepspeed_peer(name: str) -> str | None:
+    """The DeepSpeed configuration an ``hf `` twin is measured against."""
+    return name.removeprefix("hf ") if name in HF_TWINS else None

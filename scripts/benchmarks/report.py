@@ -36,9 +36,9 @@ def markdown(summary: dict, args) -> str:
         "applied to ZeRO-3 matches ZeRO-3's meter; see results.json derived_vs_meter).",
         "",
         "| link | config | step s (p25–p75) | step / max(unshaped, wire) | tokens/s | vs FSDP2 | vs ZeRO-3 "
-        "| logical inter (MB/step, all ranks) | expected wire (MB/node/step) | measured wire (MB/node/step) "
-        "| meter vs counter | link efficiency |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ÷ DeepSpeed | logical inter (MB/step, all ranks) | expected wire (MB/node/step) "
+        "| measured wire (MB/node/step) | meter vs counter | link efficiency |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for link, data in summary["links"].items():
         for name, row in data["rows"].items():
@@ -52,6 +52,7 @@ def markdown(summary: dict, args) -> str:
                      f"{row['tokens_per_s']:.0f}",
                      f"{row['speedup_vs_fsdp2']:.2f}x" if "speedup_vs_fsdp2" in row else "-",
                      f"{row['speedup_vs_zero3']:.2f}x" if "speedup_vs_zero3" in row else "-",
+                     f"{row['twin_over_deepspeed']:.2f}" if "twin_over_deepspeed" in row else "-",
                      f"{logical / 1e6:.2f}" if logical is not None else "-"]
             lines.append("| " + " | ".join(cells) + " | ")
             lines[-1] += (" / ".join(f"{e / 1e6:.2f}" for e in expected) if expected else "-") + " | "

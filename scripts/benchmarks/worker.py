@@ -9,6 +9,7 @@ hf_zeropp meter per window are kept), and ``--breakdown-steps`` extra steps per 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -25,7 +26,7 @@ from hf_zeropp.comm.comm_meter import all_gather_single, reduce_scatter_single
 from hf_zeropp._compat import fsdp_param_groups, group_parameters, group_reshards_after_forward
 
 from . import breakdown
-from .configs import CONFIGS, DEEPSPEED, ON_REQUEST
+from .configs import CONFIGS, DEEPSPEED, HF_TWINS, ON_REQUEST
 from .wire import KINDS, counter_delta, read_counters, wire_factors
 
 
@@ -95,6 +96,11 @@ def _build(name: str, options: dict | None, args, node_size: int):
     if name in DEEPSPEED:
         return {"name": name, "model": _deepspeed_engine(model, DEEPSPEED[name], args, node_size), "optimizer": None,
                 "backend": None, "params": params, "metered": False, "times": [], "windows": [], "stats": None}
+    if name in HF_TWINS:  # DeepSpeed's zero_optimization dict, read by hf_zeropp as a DeepSpeed config
+        config = hf_zeropp.ZeroPPConfig.from_deepspeed(_deepspeed_config(HF_TWINS[name], args, node_size))
+        hf_zeropp.shard_model(model, dataclasses.replace(config, reduce_dtype=args.precision))
+        return {"name": name, "model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4),
+                "backend": None, "params": params, "metered": True, "times": [], "windows": [], "stats": None}
     if options is None:  # the peer: stock FSDP2 FULL_SHARD, same units and precision, torch's own collectives
         dtype = {"bf16": torch.bfloat16, "fp32": None}[args.precision]
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
@@ -120,13 +126,19 @@ def _deepspeed_engine(model, zero: dict, args, node_size: int):
     gradient reduction, fp32 master weights) and optimizer (torch's AdamW, lr 1e-4) as the other configurations."""
     import deepspeed
 
-    zero = {key: node_size if value == "node" else value for key, value in zero.items()}
-    config = {"train_micro_batch_size_per_gpu": args.batch_per_rank, "gradient_accumulation_steps": 1,
-              "bf16": {"enabled": args.precision == "bf16"}, "zero_optimization": zero,
-              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    config = {**_deepspeed_config(zero, args, node_size), "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                       config=config)
     return engine
+
+
+def _deepspeed_config(zero: dict, args, node_size: int) -> dict:
+    """The DeepSpeed config of a DeepSpeed row and of its ``hf `` twin: ``zero`` (``"node"``: the ranks per node),
+    the batch and the precision."""
+    zero = {key: node_size if value == "node" else value for key, value in zero.items()}
+    return {"train_micro_batch_size_per_gpu": args.batch_per_rank, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": args.precision == "bf16"}, "zero_optimization": zero}
 
 
 def _runs(name: str, options: dict | None, args, node_size: int, step) -> tuple[dict | None, str | None]:
@@ -210,7 +222,7 @@ def worker(args) -> None:
 
     entries, not_run = [], {}
     for name in [n for n in args.configs.split(",") if n]:
-        entry, reason = _runs(name, {**CONFIGS, **ON_REQUEST}.get(name), args, node_size,
+        entry, reason = _runs(name, {**CONFIGS, **ON_REQUEST, **HF_TWINS}.get(name), args, node_size,
                               lambda entry: _step(entry, batch()))
         if entry is None:
             not_run[name] = reason

@@ -243,7 +243,7 @@ def test_enumerations_are_literal_annotations_checked_by_one_routine():
     enumerations = {f.name for f in dataclasses.fields(ZeroPPConfig) if literal(hints[f.name])}
     assert enumerations == {"stage", "mixed_precision", "reduce_dtype", "generation_gather", "weight_bits",
                             "hpz_partition_size", "shard_group", "hybrid_gradient_bits", "gradient_bits",
-                            "gradient_intra_bits", "kernel_backend"}
+                            "gradient_intra_bits", "kernel_backend", "persistence_threshold", "prefetch_bucket_size"}
     for name, bad, allowed in [("stage", 7, "0 (data parallel), 1, 2 or 3"), ("gradient_bits", 16, "8 or 4"),
                                ("reduce_dtype", "fp8", "one of ('fp32', 'bf16', 'fp16')"),
                                ("kernel_backend", "triton", "one of ('reference', 'cpp', 'cuda') or None"),

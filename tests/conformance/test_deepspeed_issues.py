@@ -786,10 +786,10 @@ def test_6926_hpz_with_cpu_offload_maps_to_cpu_offload_policy_and_nvme_is_refuse
     ``ZeroPPConfig.coerce`` and the Trainer's ``--deepspeed``, before any process group exists, naming the key and the
     alternative; DeepSpeed's spelling of "no offload" is accepted."""
     import hf_zeropp
-    from hf_zeropp.interop.deepspeed.config import options_from_deepspeed
+    from hf_zeropp.interop.deepspeed.config import STAGE3_DEFAULTS, options_from_deepspeed
 
     ds = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, key: {"device": "cpu"}}}
-    assert options_from_deepspeed(ds) == {"stage": 3, "hpz_partition_size": 8, "cpu_offload": True}
+    assert options_from_deepspeed(ds) == {"stage": 3, "hpz_partition_size": 8, "cpu_offload": True, **STAGE3_DEFAULTS}
     ds["zero_optimization"][key] = {"device": "nvme", "nvme_path": "/local_nvme"}
     expected = (rf"zero_optimization\.{key}\.device='nvme' \(NVMe offload\) is not supported by hf_zeropp; use device "
                 rf"'cpu' \(FSDP2's CPUOffloadPolicy")
@@ -800,4 +800,4 @@ def test_6926_hpz_with_cpu_offload_maps_to_cpu_offload_policy_and_nvme_is_refuse
     with pytest.raises(ValueError, match=expected):
         hf_zeropp.ZeroPPTrainingArguments(output_dir="unused", deepspeed=ds, report_to="none", use_cpu=True)
     ds["zero_optimization"][key] = {"device": "none"}
-    assert options_from_deepspeed(ds) == {"stage": 3, "hpz_partition_size": 8}
+    assert options_from_deepspeed(ds) == {"stage": 3, "hpz_partition_size": 8, **STAGE3_DEFAULTS}

@@ -26,7 +26,7 @@ from launching import hf_zeropp_launch
 from paths import DEEPSPEED_FIXTURES, ROOT
 
 import hf_zeropp
-from hf_zeropp.interop.deepspeed.config import deepspeed_key_table, options_from_deepspeed
+from hf_zeropp.interop.deepspeed.config import STAGE3_DEFAULTS, deepspeed_key_table, options_from_deepspeed
 from hf_zeropp.interop.deepspeed.training import (DeepSpeedLossScaler, check_batch_sizes, fill_from_accelerator,
                                                   fill_from_training_arguments)
 from hf_zeropp.testing.spawn import run_distributed
@@ -112,7 +112,7 @@ def test_switched_off_sections_and_dtypes_map_quietly():
               "communication_data_type": "bf16"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert options_from_deepspeed(config) == {"stage": 3, "reduce_dtype": "bf16"}
+        assert options_from_deepspeed(config) == {"stage": 3, "reduce_dtype": "bf16", **STAGE3_DEFAULTS}
 
 
 def test_shard_model_refuses_a_training_loop_it_would_not_run():

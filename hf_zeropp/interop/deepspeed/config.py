@@ -20,12 +20,21 @@ MAPPED = {
     "zero_quantized_gradients": "quantized_gradients",
     "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
 }
+# zero_optimization keys of stage 3's memory knobs, mapped at stage 3 (at stages 0-2 DeepSpeed does not read them:
+# ignored with the warning). A stage-3 config that leaves one out gets DeepSpeed's default (DeepSpeedZeroConfig),
+# so that it keeps, replicates and prefetches what DeepSpeed would.
+STAGE3_MAPPED = {
+    "stage3_max_live_parameters": ("max_live_parameters", 10**9),
+    "stage3_max_reuse_distance": ("max_reuse_distance", 10**9),
+    "stage3_param_persistence_threshold": ("persistence_threshold", 10**5),
+    "stage3_prefetch_bucket_size": ("prefetch_bucket_size", 5 * 10**7),
+}
+# the options a stage-3 DeepSpeed config without these keys maps to
+STAGE3_DEFAULTS = {option: default for option, default in STAGE3_MAPPED.values()}
 # zero_optimization keys that only tune DeepSpeed's own buffers and scheduling; FSDP2 has its own, so they are ignored.
 TUNING_ONLY = {
     "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-    "contiguous_gradients", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", "memory_efficient_linear",
+    "contiguous_gradients", "round_robin_gradients", "sub_group_size", "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", "memory_efficient_linear",
     "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters", "use_multi_rank_bucket_allreduce",
 }
 # zero_optimization.offload_* keys: "device: cpu" is FSDP2's CPUOffloadPolicy (``cpu_offload``), which offloads the
@@ -107,6 +116,8 @@ def _zero_options(zero: dict[str, Any], values: dict[str, Any]) -> list[str]:
     for key, value in zero.items():
         if key in MAPPED:
             values[MAPPED[key]] = value
+        elif key in STAGE3_MAPPED:
+            continue  # below, once the stage is known
         elif key in OFFLOAD:
             ignored += [f"{key}.{name}" for name in _offload(key, value, values)]
         elif key in TUNING_ONLY:
@@ -117,7 +128,24 @@ def _zero_options(zero: dict[str, Any], values: dict[str, Any]) -> list[str]:
                 f"zero_optimization.{key} has no hf_zeropp equivalent; remove it (mapped keys: "
                 f"{sorted(MAPPED)}, plus {list(OFFLOAD)} with device cpu)"
             )
+    if values.get("stage", 3) != 3:
+        return ignored + sorted(key for key in STAGE3_MAPPED if zero.get(key) not in (None, False))
+    for key, (option, deepspeed_default) in STAGE3_MAPPED.items():
+        values[option] = _stage3_value(key, zero.get(key, deepspeed_default))
     return ignored
+
+
+def _stage3_value(key: str, value: Any) -> int | str:
+    """A stage-3 knob's value as an element count (DeepSpeed configs write 1e9 as a float), or "auto" where
+    Transformers fills it from the model's hidden size."""
+    if value == "auto" and key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        raise ValueError(f"zero_optimization.{key}={value!r} must be a whole number of elements >= 0"
+                         + (' or "auto"' if key in ("stage3_param_persistence_threshold",
+                                                     "stage3_prefetch_bucket_size") else
+                            " (Transformers fills no \"auto\" here; DeepSpeed's default is 1e9)"))
+    return int(value)
 
 
 def _offload(key: str, section: Any, values: dict[str, Any]) -> list[str]:
@@ -211,6 +239,9 @@ def deepspeed_key_table() -> str:
 
 def _key_fates() -> list[tuple[str, str]]:
     rows = [(f"zero_optimization.{key}", f"mapped: `{option}`") for key, option in MAPPED.items()]
+    rows += [(f"zero_optimization.{key}", f"mapped at stage 3: `{option}` (absent: DeepSpeed's default "
+                                          f"{_power_of_ten(default)}); ignored with a warning at stages 0-2")
+             for key, (option, default) in STAGE3_MAPPED.items()]
     rows += [(f"zero_optimization.{key}.device", "cpu: mapped to `cpu_offload` (FSDP2 CPUOffloadPolicy); nvme: "
                                                 "refused") for key in OFFLOAD]
     rows += [(f"zero_optimization.{key}.ratio", "1.0 only (partial offload refused)") for key in OFFLOAD]
@@ -228,3 +259,9 @@ def _key_fates() -> list[tuple[str, str]]:
              for key in sorted(ENGINE_ONLY)]
     rows += [(key, f"refused unless enabled: false ({why})") for key, why in REFUSED_WHEN_ENABLED.items()]
     return rows
+
+
+def _power_of_ten(value: int) -> str:
+    """1000000000 as DeepSpeed's docs write it: 1e9."""
+    mantissa, exponent = f"{value:.0e}".split("e+")
+    return f"{mantissa}e{int(exponent)}"
