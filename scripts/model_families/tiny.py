@@ -78,14 +78,10 @@ def _per_layer(key: str, value, layers: int, kept: list[int]):
 
 
 def _shrunk_int(key: str, value: int) -> int | None:
-    if key in LAYER_KEYS:
-        return min(value, LAYERS)
-    if key in HIDDEN_KEYS:
-        return min(value, HIDDEN)
-    if key in HEAD_KEYS:
-        return min(value, HEADS)
-    if key in INTERMEDIATE_KEYS:
-        return min(value, INTERMEDIATE)
+    for keys, limit in ((LAYER_KEYS, LAYERS), (HIDDEN_KEYS, HIDDEN), (HEAD_KEYS, HEADS),
+                        (INTERMEDIATE_KEYS, INTERMEDIATE)):
+        if key in keys:
+            return min(value, limit)
     if key in SMALL:
         return min(value, SMALL[key])
     if key == "vocab_size" or key.endswith("_vocab_size") and value > VOCAB:
