@@ -40,14 +40,14 @@ from ..comm.hpz import shared_hpz_mesh
 from ..comm.hybrid import check_hybrid_fits, install_hybrid_all_reduce
 from .inference import route_generate
 from .live_weights import persistent_parameters, prefetch_gathers, resolve_hidden_size_auto, units_kept_gathered
-from .materialize import (RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source,
-                          loading_description)
+from .materialize import RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source, loading_description
 from .optimizer_hooks import watch_parameters
 from ..comm.qgz import make_reduce_scatter
 from ..comm.qwz import make_all_gather
 from ..comm.replicated import ReplicatedParameters
 from .reports import report_what_will_not_run_as_asked
 from .state import ZeroPPState, attach, fsdp_modules, zeropp_state
+from .unused_parameters import UnusedParameters
 from ..comm.topology import Topology, get_topology
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,6 +99,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     state = ZeroPPState(config, topology, meter, units, hpz_enabled=topology.hpz_mesh is not None,
                         replicated=replicated)
     _install_comms(model, state)
+    UnusedParameters(model, topology, meter)  # kept alive by the hooks it puts on FSDP2's parameter groups
     attach(model, state)
     report_what_will_not_run_as_asked(model, state, has_blocks)
     return model
