@@ -11,8 +11,8 @@ moments decay, weight decay applies) but skips a None one. So at the end of each
 all-reduce of one flag per parameter (``unused_parameter_flags`` in ``comm_stats()``) says which were used anywhere,
 and a parameter used nowhere whose gradient was None before this backward gets None back.
 
-When some rank did reduce a zero-filled gradient for a parameter another rank used, that is said once and kept in
-``comm_stats()["implementations"]["unused_parameters"]``: the zero buffer costs memory and reduce-scatter bytes
+When some rank reduced a zero-filled gradient for a parameter another rank used, rank 0 says so once, and every
+rank keeps it in ``comm_stats()["implementations"]["unused_parameters"]``: the zero buffer costs memory and reduce-scatter bytes
 that a rank using every parameter does not pay.
 
 A whole unit that did not run on some rank still reduces (FSDP2 runs its post-backward at the end of backward), but
@@ -72,16 +72,16 @@ class UnusedParameters:
             if count == 0 and index in self.had_grad and not self.had_grad[index]:
                 self.parameters[index].grad = None  # used by no rank: none, as DDP and one process leave it
         world = dist.get_world_size(self.group)
-        partly = sum(1 for index, count in enumerate(users) if 0 < count < world and not self.used[index])
+        partly = sum(1 for count in users if 0 < count < world)  # zero-filled on some rank: the same on every rank
         if partly:
-            self.meter.note("unused_parameters", "zero-filled gradients for parameters this rank did not use and "
+            self.meter.note("unused_parameters", "zero gradients reduced for parameters some ranks did not use while "
                                                  "others did (DDP's find_unused_parameters)")
-            if not self.warned:
-                self.warned = True
-                warnings.warn(f"hf_zeropp: rank {self.topology.rank} reduced zero gradients for {partly} parameters "
-                              f"it did not use while other ranks did (a mixture of experts routing ranks to "
-                              f"different experts); the average counts them as zero, as DDP's "
-                              f"find_unused_parameters does", stacklevel=2)
+            if not self.warned and self.topology.rank == 0:
+                warnings.warn(f"hf_zeropp: {partly} parameters had a gradient on some ranks and none on others (a "
+                              f"mixture of experts routing ranks to different experts); a rank without one reduces "
+                              f"zeros for it, as DDP's find_unused_parameters does, at the cost of a zero-filled "
+                              f"buffer", stacklevel=2)
+            self.warned = True
         self.used = [False] * len(self.parameters)
         self.had_grad = {}
 
