@@ -23,7 +23,8 @@ from .accelerate_api import accelerator_models, accelerator_optimizers, accelera
 from .torch_api import (AllGather, ReduceScatter, apply_activation_checkpointing, default_store, drop_pending_gather,
                         fresh_grad_scaler_state, fsdp_param_group, fsdp_param_groups, group_gathered_bytes,
                         group_is_sharded, group_parameters, group_reshards_after_forward, group_shard_world_size,
-                        hsdp_mesh_info, in_backward, keep_all_gathered, local_tensor, post_forward_mesh_info_override,
+                        hsdp_mesh_info, in_backward, keep_all_gathered, local_tensor, observe_gradient_reduction,
+                        post_forward_mesh_info_override,
                         process_group_timeout, queue_backward_callback, raise_recompile_limit, set_post_forward_mesh_info,
                         set_unshard_async_op, threaded_process_groups, uncompiled, unshard_all)
 from .transformers_api import (TrainerHooks, build_from_config, default_load_dtype_is_auto, extend_valid_dict_fields,

@@ -27,6 +27,8 @@ UPSTREAM: dict[str, str] = {
     "fsdp_param_group": "FSDPModule._get_fsdp_state()._fsdp_param_group",
     "group_parameters": "FSDPParamGroup.fsdp_params / FSDPParam.sharded_param, .padded_sharded_param_size",
     "group_shard_world_size": "FSDPParamGroup.mesh_info.shard_mesh_size",
+    "observe_gradient_reduction": "FSDPParamGroup.post_backward, .reduce_grads; FSDPParam._unsharded_param.grad, "
+                                  ".unsharded_accumulated_grad",
     "group_reshards_after_forward": "FSDPParamGroup.post_forward_mesh_info",
     "group_is_sharded": "FSDPParam.sharded_state, torch.distributed.fsdp._fully_shard._fsdp_param.ShardedState",
     "set_post_forward_mesh_info": "FSDPParamGroup/FSDPParam.post_forward_mesh_info, "
@@ -159,6 +161,26 @@ def group_parameters(group: Any) -> list[tuple[nn.Parameter, int]]:
 def group_shard_world_size(group: Any) -> int:
     """``FSDPParamGroup.mesh_info.shard_mesh_size``: the number of ranks the group's parameters are sharded over."""
     return group.mesh_info.shard_mesh_size
+
+
+# checked: torch 2.13
+def observe_gradient_reduction(group: Any, observe: Callable[[list[bool] | None], None]) -> None:
+    """Before each ``FSDPParamGroup.post_backward`` of ``group`` (the step where FSDP2 picks the gradients it
+    reduces), call ``observe`` with, per parameter in ``group_parameters`` order, whether this rank holds an unsharded
+    gradient for it (``_unsharded_param.grad`` or ``unsharded_accumulated_grad``; False for a frozen or never
+    gathered one), or with None when this backward does not reduce (``reduce_grads`` off: inside ``no_sync``)."""
+    post_backward = group.post_backward
+
+    def observed_post_backward(*args: Any) -> Any:
+        if not group.reduce_grads:
+            observe(None)
+        else:
+            observe([hasattr(param, "_unsharded_param") and param._unsharded_param.requires_grad
+                     and (param.unsharded_accumulated_grad is not None or param._unsharded_param.grad is not None)
+                     for param in group.fsdp_params])
+        return post_backward(*args)
+
+    group.post_backward = observed_post_backward
 
 
 # checked: torch 2.13

@@ -17,8 +17,10 @@ whenever ``set_techniques`` switches a technique.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -86,4 +88,18 @@ def record_whole_model_compile(model: nn.Module, asked_by: str) -> None:
                    f"which run eagerly; hf_zeropp.compile_units compiles each unit without breaks")
 
 
-__all__ = ["compile_as_accelerate_asks", "compile_units", "record_whole_model_compile"]
+def seeing_through_compile(shard: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``shard(torch.compile(model), ...)`` shards the model inside the wrapper and returns the wrapper as it came,
+    recording that the script compiled the whole model."""
+    @functools.wraps(shard)
+    def shard_inside(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        inner = uncompiled(model)
+        if inner is model:
+            return shard(model, *args, **kwargs)
+        shard(inner, *args, **kwargs)
+        record_whole_model_compile(model, "torch.compile(model) before shard_model or prepare")
+        return model
+    return shard_inside
+
+
+__all__ = ["compile_as_accelerate_asks", "compile_units", "record_whole_model_compile", "seeing_through_compile"]

@@ -25,11 +25,11 @@ from torch import nn
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
-from .._compat import apply_activation_checkpointing, no_split_modules, uncompiled
+from .._compat import apply_activation_checkpointing, no_split_modules
 from .auto import choose as choose_configuration
 from .auto_trial import start_trial
 from ..comm.comm_meter import CommMeter
-from .compile import record_whole_model_compile
+from .compile import seeing_through_compile
 from ..config.config import ZeroPPConfig
 from ..interop.deepspeed.training import refuse_training_loop
 from .frozen import quantize_frozen_weights
@@ -40,37 +40,30 @@ from ..comm.hpz import shared_hpz_mesh
 from ..comm.hybrid import check_hybrid_fits, install_hybrid_all_reduce
 from .inference import route_generate
 from .live_weights import persistent_parameters, prefetch_gathers, resolve_hidden_size_auto, units_kept_gathered
-from .materialize import (RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source,
-                          loading_description)
+from .materialize import RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source, loading_description
 from .optimizer_hooks import watch_parameters
 from ..comm.qgz import make_reduce_scatter
 from ..comm.qwz import make_all_gather
 from ..comm.replicated import ReplicatedParameters
 from .reports import report_what_will_not_run_as_asked
 from .state import ZeroPPState, attach, fsdp_modules, zeropp_state
+from .unused_parameters import UnusedParameters
 from ..comm.topology import Topology, get_topology
 
 _DTYPES = {"no": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@seeing_through_compile
 def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dict | None = None,
                 *, device: torch.device | str | None = None, runs_schedule: bool = False,
                 frozen: bool = False) -> nn.Module:
-    """Shard ``model`` in place with ZeRO ``config.stage`` (+ ZeRO++ options) and return it; build the optimizer
-    afterwards, on ``model.parameters()`` (this rank's shards). ``config`` is anything :meth:`ZeroPPConfig.coerce`
-    takes. Every check runs before the first collective. The model may be real on every rank, on the meta device
-    on every rank, or real on rank 0 only (:mod:`hf_zeropp.engine.materialize`). A ``*_until`` schedule is refused
-    unless ``runs_schedule`` (the Trainer integration applies it). ``frozen=True`` (an RLHF reference or reward model)
-    freezes every parameter first: no gradients or optimizer state, matrices stored INT8 with
-    ``quantized_nontrainable_weights``. Under ``shard_group: auto`` on several nodes the model comes back unsharded
-    and is sharded at its first forward, once that has timed the candidates (:mod:`hf_zeropp.engine.auto_trial`). The
-    steps, in order: docs/api.md, ``shard_model``. A ``torch.compile(model)`` wrapper is returned as it came, the
-    model inside it sharded."""
-    inner = uncompiled(model)
-    if inner is not model:
-        shard_model(inner, config, device=device, runs_schedule=runs_schedule, frozen=frozen)
-        record_whole_model_compile(model, "torch.compile(model) before shard_model or prepare")
-        return model
+    """Shard ``model`` in place with ZeRO ``config.stage`` (+ ZeRO++ options) and return it (a ``torch.compile``
+    wrapper as it came); build the optimizer afterwards, on ``model.parameters()``. ``config`` is anything
+    :meth:`ZeroPPConfig.coerce` takes. Every check runs before the first collective. The model may be real on every
+    rank, on meta on every rank, or real on rank 0 only (:mod:`hf_zeropp.engine.materialize`). A ``*_until`` schedule
+    needs ``runs_schedule`` (the Trainer applies it); ``frozen=True`` (an RLHF reference or reward model) freezes every
+    parameter first. ``shard_group: auto`` on several nodes shards at the first forward, after its trial
+    (:mod:`hf_zeropp.engine.auto_trial`). The steps, in order: docs/api.md, ``shard_model``."""
     config = resolve_hidden_size_auto(model, ZeroPPConfig.coerce(config))
     topology, device, has_blocks = _check_before_any_collective(model, config, device, runs_schedule)
     if frozen:  # after the checks: a refused call leaves the model as it was
@@ -84,11 +77,7 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     meter = meter or CommMeter(topology)
     original_class, before = type(model), dict(model.named_parameters())
     placement, rank0_state = _place_weights(model, config, topology, device, meter)
-    persistent, not_persisted = persistent_parameters(model, config)
-    if not_persisted:
-        _warn_and_record(meter, topology, "persistence_threshold", not_persisted)
-    # those fully_shard refuses (0-d) and those asked to persist: DDP's way
-    replicated = ReplicatedParameters(model, topology, meter, persistent)
+    replicated = _replicated_parameters(model, config, topology, meter)
     units = _apply_fsdp_units(model, config, topology, device, frozen, replicated.ignored, meter)
     model.__class__ = _zeropp_class(type(model), original_class)
     fill_shards(model, placement, rank0_state, topology, device)
@@ -99,9 +88,19 @@ def shard_model(model: nn.Module, config: ZeroPPConfig | str | os.PathLike | dic
     state = ZeroPPState(config, topology, meter, units, hpz_enabled=topology.hpz_mesh is not None,
                         replicated=replicated)
     _install_comms(model, state)
+    UnusedParameters(model, topology, meter)  # kept alive by the hooks it puts on FSDP2's parameter groups
     attach(model, state)
     report_what_will_not_run_as_asked(model, state, has_blocks)
     return model
+
+
+def _replicated_parameters(model: nn.Module, config: ZeroPPConfig, topology: Topology,
+                           meter: CommMeter) -> ReplicatedParameters:
+    """Those ``fully_shard`` refuses (0-d, empty) and those ``persistence_threshold`` keeps whole: DDP's way."""
+    persistent, not_persisted = persistent_parameters(model, config)
+    if not_persisted:
+        _warn_and_record(meter, topology, "persistence_threshold", not_persisted)
+    return ReplicatedParameters(model, topology, meter, persistent)
 
 
 def _place_weights(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,
@@ -188,7 +187,6 @@ def _make_replicas_equal(model: nn.Module, topology: Topology, device: torch.dev
                           "every rank rank 0's parameters and buffers, as DDP does", stacklevel=3)
         for tensor in tensors:
             dist.broadcast(tensor.data, src=0)
-
 
 
 def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology, device: torch.device,

@@ -233,9 +233,17 @@ def test_torch_fsdp2_internals(one_rank_group):
         assert _compat.group_gathered_bytes(block_group) >= 4 * (24 + 6)
     with entry("group_is_sharded"):
         assert not _compat.group_is_sharded(block_group) and not _compat.group_is_sharded(root_group)
+    observed: list = []
+    with entry("observe_gradient_reduction"):
+        for group in (block_group, root_group):
+            _compat.observe_gradient_reduction(group, lambda presence, group=group: observed.append((group,
+                                                                                                     presence)))
     with entry("in_backward"):
         loss.backward()
         assert in_backward[0] is True, in_backward
+    with entry("observe_gradient_reduction"):  # each group once, before its reduction, every weight with a gradient
+        assert [(group, presence) for group, presence in observed] == [(block_group, [True, True]),
+                                                                       (root_group, [True] * 4)], observed
     with entry("queue_backward_callback"):
         assert in_backward == [True, "after"], in_backward  # run once the backward has finished
     with entry("set_post_forward_mesh_info"):

@@ -110,7 +110,8 @@ def test_bytes_per_step_match_zero_theory(four_ranks_two_nodes):
     assert abs(total(s2["grad_reduce_scatter"]) - unit) <= 0.02 * unit
     s0 = stats["stage0"]
     assert abs(total(s0["grad_allreduce"]) - 2 * unit) <= 0.02 * 2 * unit
-    assert set(s0) == {"grad_allreduce", "total", "implementations"}
+    # and one int32 per parameter saying which had a gradient (engine/unused_parameters.py)
+    assert set(s0) == {"grad_allreduce", "unused_parameter_flags", "total", "implementations"}
 
 
 def test_per_rank_state_follows_the_zero_formulas(four_ranks_two_nodes):
