@@ -305,6 +305,8 @@ class QuantizedCrossNodeAllReduce:
         for unit in pending:
             mean = self._result(unit, 1.0 / world)
             for (param, start, _), before in zip(unit.spans, unit.accumulated):
+                if param.grad is None:  # no rank used it: None, as under stock (hf_zeropp.engine.unused_parameters)
+                    continue
                 grad = local_tensor(param.grad)
                 update = mean[start:start + grad.numel()].view_as(grad)
                 grad.copy_(update if before is None else before + update.to(before.dtype))
