@@ -15,7 +15,8 @@ from hf_zeropp.comm.comm_meter import gloo_reduce_scatter_as_all_to_all
 
 KINDS = ("fwd_allgather", "bwd_allgather", "grad_reduce_scatter", "grad_allreduce", "qgz_intra", "qgz_inter",
          "qgz_1d_full_precision", "torch_reduce_scatter", "hybrid_allreduce", "hybrid_reduce_scatter",
-         "hybrid_all_gather", "hybrid_1d_full_precision", "hybrid_row_mask")
+         "hybrid_all_gather", "hybrid_1d_full_precision", "hybrid_row_mask", "replicated_grad_allreduce",
+         "unused_parameter_flags")
 HEADER_BYTES = 66
 
 
@@ -31,6 +32,8 @@ def wire_factors(world: int, node_size: int) -> dict[str, float]:
         "bwd_allgather": ring,              # world group without hpZ; with hpZ the meter's inter bytes are 0
         "grad_reduce_scatter": plain_reduce_scatter,  # hf_zeropp's on gloo: all-to-all + local sum, or the ring
         "grad_allreduce": ring,             # meter counts 2 M (g-1)/g per rank, the ring sends 2 M (g-1)/g per node
+        "replicated_grad_allreduce": ring,  # the same all-reduce over the world group, for parameters kept whole
+        "unused_parameter_flags": ring,     # one int32 per parameter, all-reduced over the world group
         "qgz_intra": 1.0,                   # node-local (inter bytes are 0)
         "qgz_inter": 1.0,                   # pairwise all-to-all among one rank per node
         "qgz_1d_full_precision": plain_reduce_scatter,  # qgZ's plain reduce-scatter of 1-D parameters
