@@ -46,23 +46,24 @@ class _Finder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(name, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _CallingAfter(spec.loader, _pending.pop(name))
+                    spec.loader = _CallingAfter(spec.loader, name)
                 return spec
         return None
 
 
 class _CallingAfter(importlib.abc.Loader):
-    """The module's own loader, then the waiting calls."""
+    """The module's own loader, then the waiting calls: taken when the module runs, not when it is found, since
+    ``importlib.util.find_spec`` finds without importing."""
 
-    def __init__(self, loader: Any, functions: list[Callable[[ModuleType], None]]) -> None:
-        self._loader, self._functions = loader, functions
+    def __init__(self, loader: Any, name: str) -> None:
+        self._loader, self._name = loader, name
 
     def create_module(self, spec: Any) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        for function in self._functions:
+        for function in _pending.pop(self._name, []):
             function(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package...: the module's own loader

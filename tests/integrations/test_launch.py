@@ -555,6 +555,8 @@ from hf_zeropp.integrations import dropin
 dropin.install()
 deferred = ("transformers.trainer", "transformers.training_args", "transformers.hf_argparser")
 assert not any(name in sys.modules for name in deferred), [name for name in deferred if name in sys.modules]
+import importlib.util
+assert importlib.util.find_spec("transformers.trainer") is not None  # found, not imported: still to be changed
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 changed = lambda: [f.__code__.co_filename == dropin.__file__ for f in (Trainer.__init__, HfArgumentParser.__init__,
                                                                          TrainingArguments.__post_init__)]
