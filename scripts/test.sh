@@ -4,7 +4,7 @@
 # the newest-versions lane (scripts/test_newest_versions.sh), Accelerate's own test scripts under hf-zeropp launch
 # (scripts/test_accelerate_scripts.sh) and the installed wheel (scripts/test_wheel.sh).
 # `.ci/run` calls this.
-# pytest lists the 30 slowest tests at the end, to keep the suite's time (about 24 minutes on 2 cores) in view.
+# pytest lists the 30 slowest tests at the end, to keep the suite's time (docs/versions.md) in view.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

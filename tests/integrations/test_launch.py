@@ -170,10 +170,16 @@ TRAINER_ARGS = ("--max_steps", "6", "--per_device_train_batch_size", "2", "--gra
                 "--use_cpu", "--seed", "0")
 TRAINER_FSDP_CONFIG = {"transformer_layer_cls_to_wrap": ["GPT2Attention", "GPT2MLP"], "activation_checkpointing": True,
                        "use_orig_params": True}
+# The live-weights and persistence keys at 0: with DeepSpeed's defaults this tiny model would stay whole (every
+# parameter under the persistence threshold) and gathered, as under DeepSpeed, and no ZeRO++ technique would show.
 DEEPSPEED_ZEROPP = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
-                                          "zero_quantized_gradients": True},
+                                          "zero_quantized_gradients": True, "stage3_max_live_parameters": 0,
+                                          "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0},
                     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                     "bf16": {"enabled": "auto"}}
+# the same as hf_zeropp options: the prefetch depth the config leaves out gets DeepSpeed's default
+DEEPSPEED_STAGE3 = {"max_live_parameters": 0, "max_reuse_distance": 0, "persistence_threshold": 0,
+                    "prefetch_bucket_size": 5 * 10**7}
 
 
 def _launch_on_two_machines(*args: str) -> None:
@@ -232,7 +238,8 @@ def _trainer_launches(work: Path) -> dict[str, list[dict]]:
         "--config_file", accelerate_deepspeed, script, "--output_dir", str(work / "accelerate_deepspeed"),
         *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
     # two machines of 2 ranks: the node size comes from the launch itself
-    _launch_on_two_machines(script, "--output_dir", str(work / "two_machines"), "--zeropp", "zeropp", *TRAINER_ARGS)
+    _launch_on_two_machines(script, "--output_dir", str(work / "two_machines"), "--zeropp",
+                            json.dumps({"preset": "zeropp", **DEEPSPEED_STAGE3}), *TRAINER_ARGS)
     names = ("stock", "zero3", "deepspeed", "accelerate_deepspeed", "two_machines", "fsdp")
     return {name: _logs(work / name) for name in names} | {"work": work, "fsdp_output": fsdp, "stock_output": stock,
                                                             "deepspeed_output": deepspeed_output,
@@ -293,9 +300,9 @@ def test_load_in_slices_loads_the_scripts_pretrained_model_on_meta(trainer_runs)
 
 def test_trainer_deepspeed_flag_runs_zeropp_and_equals_zeropp_on_two_machines(trainer_runs):
     """``--deepspeed ds.json`` (stage 3 + zero_quantized_weights + zero_hpz_partition_size + zero_quantized_gradients),
-    without DeepSpeed installed, equals ``--zeropp zeropp`` launched on two machines of 2 ranks (``--num_machines
-    2``) bit for bit, and so does an Accelerate YAML with ``distributed_type: DEEPSPEED`` naming the same file; the
-    logs show qwZ, hpZ and qgZ at work."""
+    without DeepSpeed installed, equals ``--zeropp zeropp`` with the config's stage-3 knobs launched on two machines of
+    2 ranks (``--num_machines 2``) bit for bit, and so does an Accelerate YAML with ``distributed_type: DEEPSPEED``
+    naming the same file; the logs show qwZ, hpZ and qgZ at work."""
     deepspeed, two_machines = trainer_runs["deepspeed"], trainer_runs["two_machines"]
     for key in ("loss", "grad_norm", "eval_loss"):
         assert _series(deepspeed, key) == _series(two_machines, key), key
@@ -615,6 +622,7 @@ def test_prepare_rewrites_the_yaml_and_hands_the_resolved_config_to_the_workers(
     assert "deepspeed_config" not in written and written["distributed_type"] == "MULTI_GPU" and not args.use_deepspeed
     mapped = ZeroPPConfig.from_dict(json.loads(environment["ZEROPP_CONFIG"]))
     assert mapped == ZeroPPConfig(stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
+                                  **DEEPSPEED_STAGE3,
                                   deepspeed_training={key: DEEPSPEED_ZEROPP[key] for key in (
                                       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16")})
     # the DeepSpeed config, as Accelerate's plugin makes it, for scripts that read accelerator.state.deepspeed_plugin
