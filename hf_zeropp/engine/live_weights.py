@@ -16,8 +16,9 @@ model is sharded:
   kept units') stay within ``max_live_parameters``. The rest reshard after forward, as plain ZeRO-3.
 
 DeepSpeed's defaults (1e9 both) keep every unit of a model under about 0.5e9 parameters gathered: one all-gather
-per unit per step and no backward gather, which is what stage 2 does. Keeping changes only when weights are
-gathered, never what they are: training is equal to plain ZeRO-3.
+per unit per step and no backward gather, which is what stage 2 does. The prefetch depth answers to the same live
+budget (:func:`plan_prefetch`). Keeping and prefetching change only when weights are gathered, never what they are:
+training is equal to plain ZeRO-3.
 """
 
 from __future__ import annotations
