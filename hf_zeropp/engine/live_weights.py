@@ -179,7 +179,7 @@ def _live_when_running(ordered: list[nn.Module], sizes: dict[int, int], root: in
 def _ahead(following: list[nn.Module], sizes: dict[int, int], bucket: int | None, live: int,
            max_live: int) -> list[nn.Module]:
     """The next unit, then those after it while their elements together stay within ``bucket`` (none more without
-    one); then, with a live budget, only the first of those that fit whole in what ``max_live`` leaves above
+    one); then, with a live budget, only as many of those, in order, as fit whole in what ``max_live`` leaves above
     ``live``. DeepSpeed counts parameters and may stop inside a unit; FSDP2 gathers whole units."""
     chosen, total = following[:1], sum(sizes[id(unit)] for unit in following[:1])
     for unit in following[1:] if bucket is not None else []:
@@ -210,4 +210,5 @@ def _numel(module: nn.Module, ignored: set[nn.Parameter], units: list[nn.Module]
     return sum(p.numel() for p in module.parameters() if id(p) not in skip)
 
 
-__all__ = ["PrefetchPlan", "persistent_parameters", "plan_prefetch", "prefetch_gathers", "resolve_hidden_size_auto", "units_kept_gathered"]
+__all__ = ["PrefetchPlan", "persistent_parameters", "plan_prefetch", "prefetch_gathers", "resolve_hidden_size_auto",
+           "units_kept_gathered"]
