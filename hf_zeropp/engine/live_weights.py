@@ -16,8 +16,9 @@ model is sharded:
   kept units') stay within ``max_live_parameters``. The rest reshard after forward, as plain ZeRO-3.
 
 DeepSpeed's defaults (1e9 both) keep every unit of a model under about 0.5e9 parameters gathered: one all-gather
-per unit per step and no backward gather, which is what stage 2 does. Keeping changes only when weights are
-gathered, never what they are: training is equal to plain ZeRO-3.
+per unit per step and no backward gather, which is what stage 2 does. The prefetch depth answers to the same live
+budget (:func:`plan_prefetch`). Keeping and prefetching change only when weights are gathered, never what they are:
+training is equal to plain ZeRO-3.
 """
 
 from __future__ import annotations
@@ -97,43 +98,104 @@ def units_kept_gathered(model: nn.Module, units: list[nn.Module], config: ZeroPP
     return kept, line
 
 
-def prefetch_gathers(model: nn.Module, units: list[nn.Module], config: ZeroPPConfig, ignored: set[nn.Parameter],
-                     device: torch.device) -> None:
-    """Start gathers ahead of use: ``prefetch_bucket_size`` elements of the following units in forward and in
-    backward (at least one unit), or, without it, one unit ahead in forward on CPU.
+@dataclasses.dataclass
+class PrefetchPlan:
+    """Which units each unit starts gathering ahead of use: ``forward[i]`` for the i-th of (root, units in forward
+    order), ``backward[i]`` for the i-th of (root, units in reverse); and at how many backward points the live budget
+    leaves room for none while units remain to gather (``over_budget``)."""
 
-    On CUDA, FSDP runs its gathers on a separate stream and the host runs ahead, so one unit ahead overlaps by
-    itself (FSDP2's default). On CPU a collective called without ``async_op`` blocks until its bytes have arrived,
-    so FSDP is told to issue every gather asynchronously and, in forward, to start a unit's gather when the unit
-    before it starts computing (backward prefetches one unit ahead by default). Units are chained in the order
-    ``model.modules()`` visits them, the execution order of transformers models; where it is not, a gather starts
-    early and its weights are held longer, nothing else. A prefetched gather that no forward consumed is dropped by
-    :func:`hf_zeropp.comm.hpz.reshard_all`, so an optimizer step never leaves one holding old weights."""
-    bucket = config.prefetch_bucket_size
-    if bucket is None and device.type != "cpu":
-        return
+    forward: list[list[nn.Module]]
+    backward: list[list[nn.Module]]
+    over_budget: int
+
+
+def plan_prefetch(model: nn.Module, units: list[nn.Module], config: ZeroPPConfig, ignored: set[nn.Parameter],
+                  kept: list[nn.Module]) -> PrefetchPlan:
+    """DeepSpeed's coordinator's rule, per unit: when a unit starts, the units after it are prefetched up to
+    ``prefetch_bucket_size`` elements (at least one unit; one without it), and no more than ``max_live_parameters``
+    leaves: the budget less the weights live there (the root's, the kept units' before it and its own). In backward
+    the kept units ahead are still gathered, so they are neither fetched nor counted."""
+    bucket, budget = config.prefetch_bucket_size or None, config.max_live_parameters
     ordered = _in_execution_order(model, units)
-    sizes = {id(unit): _numel(unit, ignored, ordered) for unit in ordered}
-    forward = [model, *ordered]
-    for position, current in enumerate(forward[:-1]):
-        current.set_modules_to_forward_prefetch(_ahead(forward[position + 1:], sizes, bucket))
-    if bucket is not None:
-        backward = [model, *reversed(ordered)]
-        for position, current in enumerate(backward[:-1]):
-            current.set_modules_to_backward_prefetch(_ahead(backward[position + 1:], sizes, bucket))
+    sizes = {id(unit): _numel(unit, ignored, ordered) for unit in [model, *ordered]}
+    forward_live, backward_live = _live_when_running(ordered, sizes, sizes[id(model)], kept)
+    forward, backward = [model, *ordered], [model, *reversed(ordered)]
+    unfetched = [[unit for unit in backward[position + 1:] if not any(unit is k for k in kept)]
+                 for position in range(len(backward) - 1)]
+    backward_depths = [_ahead(following, sizes, bucket, backward_live[position], budget)
+                       for position, following in enumerate(unfetched)]
+    return PrefetchPlan(
+        forward=[_ahead(forward[position + 1:], sizes, bucket, forward_live[position], budget)
+                 for position in range(len(forward) - 1)],
+        backward=backward_depths,
+        over_budget=sum(bool(following) and not chosen for following, chosen in zip(unfetched, backward_depths)))
+
+
+def prefetch_gathers(model: nn.Module, units: list[nn.Module], config: ZeroPPConfig, ignored: set[nn.Parameter],
+                     device: torch.device, kept: list[nn.Module]) -> str | None:
+    """Start gathers ahead of use as :func:`plan_prefetch` says. Without ``prefetch_bucket_size`` on CUDA nothing
+    is set: FSDP2's default, one unit ahead in backward, with the host running ahead of its gather stream.
+
+    On CPU a collective called without ``async_op`` blocks until its bytes have arrived, so FSDP is told to issue
+    every gather asynchronously and, in forward, to start a unit's gather when the unit before it starts computing.
+    Units are chained in the order ``model.modules()`` visits them, the execution order of transformers models;
+    where it is not, a gather starts early and its weights are held longer, nothing else. A prefetched gather that
+    no forward consumed is dropped by :func:`hf_zeropp.comm.hpz.reshard_all`, so an optimizer step never leaves one
+    holding old weights.
+
+    FSDP2 reads an empty backward list as its default of one unit ahead, so where the live budget leaves room for
+    none the backward still prefetches one: returned as a line to warn and record (None when the budget is met)."""
+    plan = plan_prefetch(model, units, config, ignored, kept)
+    ordered = _in_execution_order(model, units)
+    if config.prefetch_bucket_size or device.type == "cpu":
+        for current, chosen in zip([model, *ordered], plan.forward):
+            current.set_modules_to_forward_prefetch(chosen)
+    if config.prefetch_bucket_size:
+        for current, chosen in zip([model, *reversed(ordered)], plan.backward):
+            current.set_modules_to_backward_prefetch(chosen)
     if device.type == "cpu":
         set_unshard_async_op(model, True)
+    if not plan.over_budget:
+        return None
+    return (f"max_live_parameters={config.max_live_parameters:.3g} leaves no room for a backward prefetch at "
+            f"{plan.over_budget} of {len(plan.backward)} units, but FSDP2 cannot turn it off there (an empty list is "
+            f"its default of one unit ahead): the backward holds one unit's weights more than the budget there")
 
 
-def _ahead(following: list[nn.Module], sizes: dict[int, int], bucket: int | None) -> list[nn.Module]:
-    """The next unit, then those after it while their elements together stay within ``bucket``."""
-    chosen, total = following[:1], sizes[id(following[0])]
+def _live_when_running(ordered: list[nn.Module], sizes: dict[int, int], root: int,
+                       kept: list[nn.Module]) -> tuple[list[int], list[int]]:
+    """Elements gathered while each unit runs, in forward order (the root, then the units) and in backward order
+    (the root, then the units in reverse): the root's, those of the kept units before it (held from their forward
+    to their backward) and its own. The root runs first in forward with its own weights alone, and its backward
+    hook first with every kept unit's."""
+    kept_ids = {id(unit) for unit in kept}
+    at_unit, held = [], 0
+    for unit in ordered:
+        at_unit.append(root + held + sizes[id(unit)])
+        held += sizes[id(unit)] if id(unit) in kept_ids else 0
+    return [root, *at_unit], [root + held, *reversed(at_unit)]
+
+
+def _ahead(following: list[nn.Module], sizes: dict[int, int], bucket: int | None, live: int,
+           max_live: int) -> list[nn.Module]:
+    """The next unit, then those after it while their elements together stay within ``bucket`` (none more without
+    one); then, with a live budget, only as many of those, in order, as fit whole in what ``max_live`` leaves above
+    ``live``. DeepSpeed counts parameters and may stop inside a unit; FSDP2 gathers whole units."""
+    chosen, total = following[:1], sum(sizes[id(unit)] for unit in following[:1])
     for unit in following[1:] if bucket is not None else []:
         total += sizes[id(unit)]
         if total > bucket:
             break
         chosen.append(unit)
-    return chosen
+    if not max_live:
+        return chosen
+    fitting, total = [], live
+    for unit in chosen:
+        total += sizes[id(unit)]
+        if total > max_live:
+            break
+        fitting.append(unit)
+    return fitting
 
 
 def _in_execution_order(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
@@ -148,4 +210,5 @@ def _numel(module: nn.Module, ignored: set[nn.Parameter], units: list[nn.Module]
     return sum(p.numel() for p in module.parameters() if id(p) not in skip)
 
 
-__all__ = ["persistent_parameters", "prefetch_gathers", "resolve_hidden_size_auto", "units_kept_gathered"]
+__all__ = ["PrefetchPlan", "persistent_parameters", "plan_prefetch", "prefetch_gathers", "resolve_hidden_size_auto",
+           "units_kept_gathered"]

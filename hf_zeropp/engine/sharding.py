@@ -224,7 +224,9 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
         root_reshard = reshard if frozen else False
         fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policies[model],
                     offload_policy=offload, ignored_params=ignored)
-    prefetch_gathers(model, units, config, ignored, device)
+    over_budget = prefetch_gathers(model, units, config, ignored, device, kept)
+    if over_budget:
+        _warn_and_record(meter, topology, "prefetch_depth", over_budget)
     return units
 
 

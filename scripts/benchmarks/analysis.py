@@ -70,7 +70,8 @@ def analyse(link_results: dict[str, dict], args) -> dict:
             row["window_s_per_step"] = sum(w["seconds"] for w in windows) / n_steps
             for source, target in (("breakdown", "breakdown_s_per_step"),
                                    ("breakdown_kernels", "breakdown_kernel_s_per_step"),
-                                   ("breakdown_events", "profiler_events_per_step")):
+                                   ("breakdown_events", "profiler_events_per_step"),
+                                   ("breakdown_phases", "breakdown_phase_s_per_step")):
                 if any(r[name].get("breakdown") for r in per_rank):  # mean over ranks, 0 where a rank has none
                     row[target] = _mean_over_ranks([r[name].get(source) or {} for r in per_rank
                                                     if r[name].get("breakdown")])

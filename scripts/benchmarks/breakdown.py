@@ -14,6 +14,12 @@ turns them into the sections the report shows:
   counted once); ``other kernels``: kernel events outside both;
 * per kernel name, the same kernel seconds (``kernels``), and the number of events per name (``events``).
 
+:func:`phases` reads where the step waits from FSDP2's own ranges, inside the forward and the backward (the
+benchmark worker's ranges around the two passes): ``FSDP::pre_forward`` (a unit's forward waits
+for its gather, prefetched or not, and the qwZ dequantize that runs in the gather's wait), ``FSDP::pre_backward``
+(the same in backward: hpZ's gather), ``FSDP::post_backward_reduce`` (the gradient reduce-scatter, qgZ's two hops
+included, which FSDP2 calls synchronously on CPU) and ``Optimizer.step``. A pass's compute is its time less its waits.
+
 A hf_zeropp whose kernels are not yet visible to the profiler simply yields no kernel events: the call sections
 are still right, the kernel sections are 0 and ``events`` shows that no ``hf_zeropp::`` event was seen (the
 report then prints "-" for the kernel columns instead of 0).
@@ -51,6 +57,30 @@ def profile_steps(run: Callable[[], Any]):
                  with_stack=False) as prof:
         run()
     return list(prof.events())
+
+
+FORWARD_RANGE, BACKWARD_RANGE = "bench::forward", "bench::backward"  # the worker's own, around the two passes
+PHASES = {FORWARD_RANGE: "forward", "FSDP::pre_forward": "forward gather waits", BACKWARD_RANGE: "backward",
+          "FSDP::pre_backward": "backward gather waits", "FSDP::post_backward_reduce": "gradient reduce",
+          "Optimizer.step": "optimizer step"}
+
+
+def phases(events: Iterable) -> dict[str, float]:
+    """Seconds per phase of :data:`PHASES` (range names matched by prefix, FSDP2 adds the unit's name; only the
+    outermost range of a phase on a thread counts)."""
+    seconds = dict.fromkeys(PHASES.values(), 0.0)
+    by_thread: dict[Any, list] = collections.defaultdict(list)
+    for event in events:
+        phase = next((name for prefix, name in PHASES.items() if event.name.startswith(prefix)), None)
+        if phase is not None:
+            by_thread[getattr(event, "thread", 0)].append((event.time_range.start, event.time_range.end, phase))
+    for spans in by_thread.values():
+        open_until: dict[str, float] = {}
+        for start, end, phase in sorted(spans, key=lambda span: (span[0], -span[1])):
+            if start >= open_until.get(phase, float("-inf")):
+                seconds[phase] += (end - start) / 1e6
+                open_until[phase] = end
+    return seconds
 
 
 def attribute(events: Iterable, ranges: dict[str, str] | None = None) -> dict[str, dict]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .breakdown import is_kernel
+from .breakdown import PHASES, is_kernel
 
 
 def _link_label(link: str) -> str:
@@ -111,6 +111,17 @@ def markdown(summary: dict, args) -> str:
                      "the profiler in this hf_zeropp): kernel and wait columns unknown."), "",
                   "| link | config | step | gather | gather kernels | reduce | reduce kernels | wait in both |",
                   "|---|---|---:|---:|---:|---:|---:|---:|", *breakdown_rows]
+    names = list(PHASES.values())
+    phase_rows = [f"| {_link_label(link)} | {name} | {row['breakdown_s_per_step']['step']:.3f} | "
+                  + " | ".join(f"{row['breakdown_phase_s_per_step'].get(phase, 0.0):.3f}" for phase in names) + " |"
+                  for link, data in summary["links"].items() for name, row in data["rows"].items()
+                  if row.get("breakdown_phase_s_per_step")]
+    if phase_rows:
+        lines += ["", "Where the step waits (the same profiled steps, mean over ranks, seconds per step; "
+                  "scripts/benchmarks/breakdown.py, phases): each pass's wall time, and inside it FSDP2's waits for "
+                  "gathers and its gradient reduce-scatter; a pass's compute is its time less those.", "",
+                  "| link | config | step | " + " | ".join(names) + " |", "|---|---|" + "---:|" * (len(names) + 1),
+                  *phase_rows]
     probe = next((d["probe"] for d in summary["links"].values() if d.get("probe")), None)
     if probe:
         lines += ["", f"gloo probe (each collective alone, {probe['buffer_bytes'] / 1e6:.1f} MB buffer): node wire bytes "

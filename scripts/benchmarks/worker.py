@@ -186,8 +186,10 @@ def _step(entry, ids) -> None:
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
         return
-    loss = entry["model"](input_ids=ids, labels=ids).loss
-    loss.backward()
+    with torch.profiler.record_function(breakdown.FORWARD_RANGE):
+        loss = entry["model"](input_ids=ids, labels=ids).loss
+    with torch.profiler.record_function(breakdown.BACKWARD_RANGE):
+        loss.backward()
     entry["optimizer"].step()
     entry["optimizer"].zero_grad(set_to_none=True)
 
@@ -276,7 +278,9 @@ def worker(args) -> None:
                 _step(entry, batch())
             wall.append(time.perf_counter() - start)
 
-        sections = breakdown.attribute(breakdown.profile_steps(profiled))
+        events = breakdown.profile_steps(profiled)
+        sections = breakdown.attribute(events)
+        entry["breakdown_phases"] = {k: v / n for k, v in breakdown.phases(events).items()}
         entry["breakdown"] = {"step": wall[0] / n, **{k: v / n for k, v in sections["seconds"].items()}}
         entry["breakdown_kernels"] = {k: v / n for k, v in sections["kernels"].items()}
         entry["breakdown_events"] = {k: v / n for k, v in sections["events"].items()}
@@ -293,7 +297,8 @@ def worker(args) -> None:
     mine = {e["name"]: {"times": e["times"], "windows": e["windows"], "stats": e["stats"],
                         "derived_stats": e.get("derived_stats"), "breakdown": e.get("breakdown"),
                         "breakdown_kernels": e.get("breakdown_kernels"),
-                        "breakdown_events": e.get("breakdown_events")} for e in entries}
+                        "breakdown_events": e.get("breakdown_events"),
+                        "breakdown_phases": e.get("breakdown_phases")} for e in entries}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zeropp import ZeroPPConfig
-from hf_zeropp.engine.live_weights import resolve_hidden_size_auto, units_kept_gathered
+from hf_zeropp.engine.live_weights import plan_prefetch, resolve_hidden_size_auto, units_kept_gathered
 from hf_zeropp.testing.spawn import run_distributed
 from hf_zeropp.testing.tiny_models import full_parameters, local_batch, make_optimizer, relative_error, tiny_gpt2
 
@@ -40,6 +40,30 @@ def test_the_units_nearest_the_loss_stay_gathered_within_the_budget():
     assert _kept(max_live_parameters=10**9, max_reuse_distance=2 * (ROOT + BLOCK) + 1) == ["transformer.h.1",
                                                                                             "transformer.h.2"]
     assert _kept(max_live_parameters=10**9, max_reuse_distance=2 * ROOT) == []
+
+
+def _prefetched(**knobs) -> tuple[list[list[str]], list[list[str]], int]:
+    """Per unit, the blocks it prefetches in forward (root first) and in backward (root first, then h.2 ...)."""
+    model = tiny_gpt2(n_layer=LAYERS)
+    units = list(model.transformer.h)
+    config = ZeroPPConfig(stage=3, **knobs)
+    kept, _ = units_kept_gathered(model, units, config, set())
+    plan = plan_prefetch(model, units, config, set(), kept)
+    names = {id(module): name.removeprefix("transformer.") for name, module in model.named_modules()}
+    return ([[names[id(u)] for u in ahead] for ahead in plan.forward],
+            [[names[id(u)] for u in ahead] for ahead in plan.backward], plan.over_budget)
+
+
+def test_prefetch_depth_is_the_bucket_capped_by_the_live_budget():
+    assert _prefetched() == ([["h.0"], ["h.1"], ["h.2"]], [["h.2"], ["h.1"], ["h.0"]], 0)
+    deep = ([["h.0", "h.1", "h.2"], ["h.1", "h.2"], ["h.2"]], [["h.2", "h.1", "h.0"], ["h.1", "h.0"], ["h.0"]], 0)
+    assert _prefetched(prefetch_bucket_size=10**9) == deep
+    # nothing kept (reuse distance 1): the budget holds the root and all three blocks, so the depth is the bucket's
+    assert _prefetched(prefetch_bucket_size=10**9, max_live_parameters=ROOT + 3 * BLOCK, max_reuse_distance=1) == deep
+    # h.1 and h.2 kept: a block is prefetched only where it fits whole beside the root, the kept blocks and the
+    # running one; the backward of the root and of h.2 has no room for h.0, which FSDP2 prefetches anyway
+    assert _prefetched(prefetch_bucket_size=10**9, max_live_parameters=ROOT + 3 * BLOCK - 1,
+                       max_reuse_distance=10**9) == ([["h.0", "h.1"], ["h.1"], ["h.2"]], [[], [], ["h.0"]], 2)
 
 
 def test_auto_is_filled_from_the_hidden_size_as_transformers_fills_it():
@@ -128,6 +152,8 @@ def test_kept_units_gather_once_per_step(runs):
     # the backward gathers the two units that reshard, not the kept one: 2 of the 3 blocks' bytes
     assert gathered("last unit kept", "bwd_allgather") == pytest.approx(gathered("zero3", "bwd_allgather") * 2 / 3,
                                                                          rel=0.01)
+    # its budget (the root and one block) has no room for a backward prefetch, which FSDP2 does anyway: said
+    assert "no room for a backward prefetch" in runs["last unit kept"]["stats"]["implementations"]["prefetch_depth"][0]
     docs = runs["deepspeed docs"]["stats"]
     assert gathered("deepspeed docs", "bwd_allgather") == 0
     assert "3 of 3 units keep" in docs["implementations"]["live_weights"][0]

@@ -244,8 +244,17 @@ def test_profiler_breakdown_attributes_kernels_to_the_enclosing_call():
             torch.ones(1000).sum()
         with record_function("hf_zeropp::dequantize"):  # outside both calls
             torch.ones(10).sum()
+        # FSDP2's ranges carry the unit's name; a phase nested in the same phase counts once
+        with record_function("FSDP::pre_forward (transformer.h.0)"):
+            with record_function("FSDP::pre_forward (transformer.h.0)"):
+                torch.ones(1000).sum()
 
-    result = breakdown.attribute(breakdown.profile_steps(work))
+    events = breakdown.profile_steps(work)
+    waits = breakdown.phases(events)
+    outer = max(e.time_range.end - e.time_range.start for e in events if e.name.startswith("FSDP::pre_forward"))
+    assert waits["forward gather waits"] == pytest.approx(outer / 1e6)
+    assert waits["backward gather waits"] == waits["gradient reduce"] == waits["optimizer step"] == 0
+    result = breakdown.attribute(events)
     seconds, kernels = result["seconds"], result["kernels"]
     assert 0 < seconds["gather kernels"] <= seconds["gather call"]
     assert 0 < seconds["reduce kernels"] < seconds["reduce call"]
