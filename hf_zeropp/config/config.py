@@ -90,10 +90,13 @@ class ZeroPPConfig:
                               'then holds one full copy in the compute dtype), or `"per_token"`: once per forward, '
                               'as FSDP does (for models too large to hold gathered)')
     # ---------------------------------------------------------------- sharding: stage 3's memory knobs
-    max_live_parameters: int = _option(
-        0, SHARDING, "stage 3: elements of gathered weights that may stay gathered from forward to backward (the "
-                   "root's included); the units nearest the loss keep theirs first (FSDP2 reshard_after_forward=False "
-                   "per unit), the rest reshard. 0 = every unit reshards (DeepSpeed's stage3_max_live_parameters)")
+    max_live_parameters: int | None = _option(
+        None, SHARDING, "stage 3: elements of gathered weights that may be live at once (the root's included): the "
+                      "units nearest the loss keep theirs from forward to backward first (FSDP2 "
+                      "reshard_after_forward=False per unit), the rest reshard, and gathers start ahead of use only "
+                      "as far as the rest of the budget allows (0: none ahead). None = no budget: every unit "
+                      "reshards, gathers start ahead as prefetch_bucket_size says (DeepSpeed's "
+                      "stage3_max_live_parameters)")
     max_reuse_distance: int = _option(
         0, SHARDING, "stage 3: a unit stays gathered only if fewer elements than this are gathered between its forward "
                    "and its backward (DeepSpeed's stage3_max_reuse_distance; 0 = none)")

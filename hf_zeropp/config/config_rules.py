@@ -50,7 +50,7 @@ def _check_values(config: Any) -> None:
     for name in STAGE3_KNOBS:
         value = getattr(config, name)
         if isinstance(value, int) and value < 0:
-            raise ValueError(f"{name}={value} must be >= 0 (a number of elements; 0 turns it off)")
+            raise ValueError(f"{name}={value} must be >= 0 (a number of elements)")
     for name in SCHEDULED_TECHNIQUES:
         value = getattr(config, name)
         if value is not None and not 0 < value <= 1:

@@ -86,13 +86,13 @@ def units_kept_gathered(model: nn.Module, units: list[nn.Module], config: ZeroPP
     live, after, kept = root, root, []
     for unit, size in zip(reversed(ordered), reversed(sizes)):
         distance = 2 * after
-        if distance >= config.max_reuse_distance or live + size > config.max_live_parameters:
+        if distance >= config.max_reuse_distance or live + size > (config.max_live_parameters or 0):
             break
         kept.append(unit)
         live += size
         after += size
     line = (f"{len(kept)} of {len(ordered)} units keep their gathered weights from forward to backward "
-            f"(max_live_parameters={config.max_live_parameters:.3g}, max_reuse_distance="
+            f"(max_live_parameters={config.max_live_parameters or 0:.3g}, max_reuse_distance="
             f"{config.max_reuse_distance:.3g}: {live:,} elements live at the end of forward, the root's {root:,} "
             f"included); the other {len(ordered) - len(kept)} reshard after forward")
     return kept, line
@@ -177,7 +177,7 @@ def _live_when_running(ordered: list[nn.Module], sizes: dict[int, int], root: in
 
 
 def _ahead(following: list[nn.Module], sizes: dict[int, int], bucket: int | None, live: int,
-           max_live: int) -> list[nn.Module]:
+           max_live: int | None) -> list[nn.Module]:
     """The next unit, then those after it while their elements together stay within ``bucket`` (none more without
     one); then, with a live budget, only as many of those, in order, as fit whole in what ``max_live`` leaves above
     ``live``. DeepSpeed counts parameters and may stop inside a unit; FSDP2 gathers whole units."""
@@ -187,7 +187,7 @@ def _ahead(following: list[nn.Module], sizes: dict[int, int], bucket: int | None
         if total > bucket:
             break
         chosen.append(unit)
-    if not max_live:
+    if max_live is None:
         return chosen
     fitting, total = [], live
     for unit in chosen:

@@ -64,6 +64,10 @@ def test_prefetch_depth_is_the_bucket_capped_by_the_live_budget():
     # running one; the backward of the root and of h.2 has no room for h.0, which FSDP2 prefetches anyway
     assert _prefetched(prefetch_bucket_size=10**9, max_live_parameters=ROOT + 3 * BLOCK - 1,
                        max_reuse_distance=10**9) == ([["h.0", "h.1"], ["h.1"], ["h.2"]], [[], [], ["h.0"]], 2)
+    # a budget of 0 (DeepSpeed's "regather" config, stage3_max_live_parameters 0): nothing kept and no gather ahead
+    # (DeepSpeed's coordinator prefetches min(max_live - live, bucket) elements), except the backward's one unit that
+    # FSDP2 cannot turn off
+    assert _prefetched(prefetch_bucket_size=10**9, max_live_parameters=0) == ([[], [], []], [[], [], []], 3)
 
 
 def test_auto_is_filled_from_the_hidden_size_as_transformers_fills_it():
@@ -84,7 +88,7 @@ def test_deepspeed_keys_map_with_deepspeeds_defaults():
     assert (docs.max_live_parameters, docs.max_reuse_distance, docs.persistence_threshold) == (10**9, 0, "auto")
     with pytest.warns(UserWarning, match="stage3_max_live_parameters"):
         two = ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}})
-    assert two.max_live_parameters == 0
+    assert two.max_live_parameters is None
     with pytest.raises(ValueError, match="stage3_max_reuse_distance"):
         ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": "auto"}})
     with pytest.raises(ValueError, match="needs stage 3"):
