@@ -17,6 +17,9 @@ MAPPINGS = {
     "contrastive": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 }
 LABELS = 3
+CAPTIONERS = {"git"}  # language models listed as causal LMs that read an image with their text
+VIDEO = {"videoprism"}  # contrastive video-text models
+TOKEN_IMAGES = {"imagegpt"}  # image classifiers that read an image as colour-cluster token ids, not pixel values
 BATCH, LENGTH, TARGET_LENGTH = 2, 8, 6
 
 
@@ -92,19 +95,23 @@ def batch(head: str, config, rank: int) -> dict:
     where the shrink rule moved the others), pixel values of the configured size, labels as the head needs."""
     generator = torch.Generator().manual_seed(1000 + rank)
     out: dict = {}
-    if head != "image-cls":
+    token_image = config.model_type in TOKEN_IMAGES
+    if head != "image-cls" or token_image:
         vocab = getattr(_text(config), "vocab_size", None) or VOCAB
         high = max(8, min(vocab, VOCAB) - 16)
         out["input_ids"] = torch.randint(4, high, (BATCH, LENGTH), generator=generator)
         eos = getattr(config, "eos_token_id", None)
         if head == "seq-cls" and config.is_encoder_decoder and isinstance(eos, int):
             out["input_ids"][:, -1] = eos  # the head classifies the state at the end-of-sequence token
-    if head in ("image-cls", "contrastive"):
+    if head in ("image-cls", "contrastive") and not token_image or config.model_type in CAPTIONERS:
         vision = _vision(config)
         size = getattr(vision, "image_size", 32)
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
         channels = getattr(vision, "num_channels", 3)
-        out["pixel_values"] = torch.randn(BATCH, channels, *size, generator=generator)
+        if config.model_type in VIDEO:  # a clip of frames per sample
+            out["pixel_values_videos"] = torch.randn(BATCH, vision.num_frames, channels, *size, generator=generator)
+        else:
+            out["pixel_values"] = torch.randn(BATCH, channels, *size, generator=generator)
         if config.model_type == "siglip2":  # patches already cut out, with each image's grid (its processor's output)
             side = int(vision.num_patches ** 0.5)
             out["pixel_values"] = torch.randn(BATCH, side * side, channels * vision.patch_size ** 2,

@@ -61,6 +61,9 @@ FIXES: dict = {
     # last stage gives the projection width (32), at depth 1 each stage has one block
     "align": {"vision_config": {"image_size": 32, "width_coefficient": 0.1, "depth_coefficient": 1.0,
                                 "num_block_repeats": [1, 1, 1, 1, 1, 1, 1]}},
+    # its image tower is a backbone whose output stage names its last layer; 16 patches of 14 pixels
+    "tipsv2": {"vision_config": {"out_features": ["stage2"], "out_indices": [2], "image_size": 56}},
+    "videoprism": {"vision_config": {"num_frames": 2, "image_size": 36}},  # 2 frames of 2 x 2 tubelets of 18 pixels
     "efficientnet": {"hidden_dim": 2560, "image_size": 64},
     # latents and their self-attention stack; the masked-LM decoder predicts every position up to the maximum
     "perceiver": {"num_latents": 8, "d_latents": 32, "num_self_attends_per_block": 2, "num_self_attention_heads": 2,
@@ -109,12 +112,10 @@ _DRAFT = ("a draft model for assisted decoding: it reads its target model's inpu
 NOT_BUILT: dict = {
     "gemma3n": _NEEDS.format("timm"), "timm_wrapper": _NEEDS.format("timm"), "dinat": _NEEDS.format("natten"),
     "layoutlmv2": _NEEDS.format("detectron2"),
-    ("image-cls", "imagegpt"): "reads an image as colour-cluster token ids, not pixel values",
-    ("contrastive", "videoprism"): "a video model: it needs video frames",
     ("image-cls", "shieldgemma2"): "a vision-language model: it needs a text prompt with image tokens",
     ("seq2seq", "voxtral_realtime"): "a speech model: it needs audio features",
+    ("contrastive", "blip-2"): "an image-text retrieval head: it returns matching scores or similarities, no loss",
     "gemma4_assistant": _DRAFT, "gemma4_unified_assistant": _DRAFT,
     "musicgen": "an audio-code decoder: its inputs and labels are codes of several codebooks per step",
     "musicgen_melody": "an audio-code decoder: its inputs and labels are codes of several codebooks per step",
-    ("causal-lm", "git"): "a vision-language model: it needs pixel values with its text",
 }
