@@ -18,6 +18,8 @@ MAPPINGS = {
 }
 LABELS = 3
 CAPTIONERS = {"git"}  # language models listed as causal LMs that read an image with their text
+AUDIO_CODES = {"musicgen_decoder", "musicgen_melody_decoder"}  # decoders of audio codes, several codebooks per step
+SPEECH = {"voxtral_realtime"}  # speech-to-text models whose audio frames line up with the text tokens
 VIDEO = {"videoprism"}  # contrastive video-text models
 TOKEN_IMAGES = {"imagegpt"}  # image classifiers that read an image as colour-cluster token ids, not pixel values
 BATCH, LENGTH, TARGET_LENGTH = 2, 8, 6
@@ -118,7 +120,14 @@ def batch(head: str, config, rank: int) -> dict:
                                               generator=generator)
             out["pixel_attention_mask"] = torch.ones(BATCH, side * side, dtype=torch.long)
             out["spatial_shapes"] = torch.tensor([[side, side]] * BATCH)
-    if head in ("causal-lm", "masked-lm") or head == "seq2seq" and not config.is_encoder_decoder:
+    if config.model_type in SPEECH:  # log-mel frames: the encoder's convolution halves them, its projector groups
+        frames = LENGTH * 2 * config.downsample_factor  # downsample_factor of them per text token they are added to
+        out["input_features"] = torch.randn(BATCH, config.audio_config.num_mel_bins, frames, generator=generator)
+    codebooks = getattr(config, "num_codebooks", None) if config.model_type in AUDIO_CODES else None
+    if codebooks:  # each step a code per codebook: the ids stacked by codebook, the labels with the codebooks last
+        codes = torch.randint(4, high, (BATCH, codebooks, LENGTH), generator=generator)
+        out["input_ids"], out["labels"] = codes.reshape(BATCH * codebooks, LENGTH), codes.transpose(1, 2)
+    elif head in ("causal-lm", "masked-lm") or head == "seq2seq" and not config.is_encoder_decoder:
         out["labels"] = out["input_ids"].clone()  # a decoder with an audio tower is listed as seq2seq
     elif head == "seq2seq":  # decoder inputs given: no start token to configure
         out["labels"] = torch.randint(4, high, (BATCH, TARGET_LENGTH), generator=generator)

@@ -112,10 +112,9 @@ _DRAFT = ("a draft model for assisted decoding: it reads its target model's inpu
 NOT_BUILT: dict = {
     "gemma3n": _NEEDS.format("timm"), "timm_wrapper": _NEEDS.format("timm"), "dinat": _NEEDS.format("natten"),
     "layoutlmv2": _NEEDS.format("detectron2"),
-    ("image-cls", "shieldgemma2"): "a vision-language model: it needs a text prompt with image tokens",
-    ("seq2seq", "voxtral_realtime"): "a speech model: it needs audio features",
+    ("image-cls", "shieldgemma2"): "a safety classifier: it returns yes/no probabilities for a prompt with image "
+                                   "tokens, no loss",
     ("contrastive", "blip-2"): "an image-text retrieval head: it returns matching scores or similarities, no loss",
+    ("image-cls", "pp_lcnet"): "its classification head returns logits only: it computes no loss from labels",
     "gemma4_assistant": _DRAFT, "gemma4_unified_assistant": _DRAFT,
-    "musicgen": "an audio-code decoder: its inputs and labels are codes of several codebooks per step",
-    "musicgen_melody": "an audio-code decoder: its inputs and labels are codes of several codebooks per step",
 }
