@@ -73,8 +73,9 @@ FIXES: dict = {
     # its cache is built from a top-level layer count the config does not have (a training step needs no cache); its
     # towers keep their default head width and global width unless given, which the shrunk widths must match; its
     # hashed byte-group embeddings (500,002 rows each) are a vocabulary the rule does not see
-    "blt": {"use_cache": False, "encoder_hash_byte_group_vocab": 512, "patcher_config": {"head_dim": 16}, "global_config": {"head_dim": 16},
-            "encoder_config": {"hidden_size_global": 32}, "decoder_config": {"head_dim": 16, "hidden_size_global": 32}},
+    "blt": {"use_cache": False, "encoder_hash_byte_group_vocab": 512, "patcher_config": {"head_dim": 16},
+            "global_config": {"head_dim": 16}, "encoder_config": {"hidden_size_global": 32},
+            "decoder_config": {"head_dim": 16, "hidden_size_global": 32}},
     # its rotary embedding reads one RoPE setting per layer kind, and the default config gives none
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # its attention reads a RoPE base from the attention sub-config, which the default one does not carry, and clamps
@@ -82,10 +83,12 @@ FIXES: dict = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     # its per-layer K/V sources are layer indices kept as values, which the rule does not renumber: three layers, the
     # last reading the K/V of the indexed layer before it; its expert count is saved under an alias the rule skips
-    "kolibri1_1": {"num_experts": 4, "num_hidden_layers": 3, "layer_types": ["sliding_attention", "indexed_attention", "indexed_attention"],
+    "kolibri1_1": {"num_experts": 4, "num_hidden_layers": 3,
+                   "layer_types": ["sliding_attention", "indexed_attention", "indexed_attention"],
                    "index_layers": [1], "kv_source_layers": [0, 1, 1], "mlp_only_layers": [0]},
     "longcat_flash": {"head_dim": 8},  # its rotary width: the rotated part of a query/key head (qk_rope_head_dim)
-    # no default vocabulary nor padding id (its positions count from the padding id): the released protein models'
+    # no default vocabulary nor padding id (its positions count from the padding id): those of the released protein
+    # models
     "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},
     # its diarization head reads the audio encoder's width, saved apart in the head's config; its language model saves
     # its 52 layers as kinds only (no count for the rule to cut), one of each kind kept, and its shared expert's width
@@ -106,7 +109,7 @@ def _first_language(model) -> None:
 
 AFTER_BUILD: dict = {"xmod": _first_language}  # what a family's users call on a built model before training
 
-_NEEDS = "needs the {} package, not among this project's dependencies"
+_NEEDS = "needs the {} package (a PyPI package, not among this project's dependencies)"
 _DRAFT = ("a draft model for assisted decoding: it reads its target model's input embeddings and key/value states, "
           "and returns logits, no loss")
 NOT_BUILT: dict = {
