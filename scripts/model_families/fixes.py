@@ -109,12 +109,12 @@ def _first_language(model) -> None:
 
 AFTER_BUILD: dict = {"xmod": _first_language}  # what a family's users call on a built model before training
 
-_NEEDS = "needs the {} package (a PyPI package, not among this project's dependencies)"
+_NEEDS = "needs the {} package (on PyPI, not among this project's dependencies)"
 _DRAFT = ("a draft model for assisted decoding: it reads its target model's input embeddings and key/value states, "
           "and returns logits, no loss")
 NOT_BUILT: dict = {
     "gemma3n": _NEEDS.format("timm"), "timm_wrapper": _NEEDS.format("timm"), "dinat": _NEEDS.format("natten"),
-    "layoutlmv2": _NEEDS.format("detectron2"),
+    "layoutlmv2": "needs the detectron2 package, which is not on PyPI (built from its source)",
     ("image-cls", "shieldgemma2"): "a safety classifier: it returns yes/no probabilities for a prompt with image "
                                    "tokens, no loss",
     ("contrastive", "blip-2"): "an image-text retrieval head: it returns matching scores or similarities, no loss",
