@@ -94,7 +94,8 @@ def _vision(config):
 
 def batch(head: str, config, rank: int) -> dict:
     """Rank ``rank``'s micro-batch: token ids clear of the special ids (the low ones and the vocabulary's last ones,
-    where the shrink rule moved the others), pixel values of the configured size, labels as the head needs."""
+    where the shrink rule moved the others), pixel values of the configured size, labels as the head needs; the
+    families of the sets above get the inputs they read instead or besides (video frames, audio codes or features)."""
     generator = torch.Generator().manual_seed(1000 + rank)
     out: dict = {}
     token_image = config.model_type in TOKEN_IMAGES
