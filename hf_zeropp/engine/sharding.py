@@ -278,18 +278,18 @@ def _default_device() -> torch.device:
 
 def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
     """The FSDP units below the root: transformer blocks, plus untied input embeddings and output head (first, so
-    that one inside a block is sharded before it).
+    that one inside a block is sharded before it; of a container of them, MusicGen's one per codebook, its members).
 
     Blocks come from ``wrap_modules`` or the model's ``_no_split_modules`` (transformers' list of layer classes
     that must stay whole). Tied embeddings stay with the root, so the shared weight lives in one unit.
     """
     blocks = _blocks(model, wrap_modules)
     units: list[nn.Module] = []
-    embeddings = _call(model, "get_input_embeddings")
-    head = _call(model, "get_output_embeddings")
-    tied = embeddings is not None and head is not None and head.weight is embeddings.weight
+    ends = [m for e in (_call(model, "get_input_embeddings"), _call(model, "get_output_embeddings")) if e is not None
+            for m in (e.children() if isinstance(e, (nn.ModuleList, nn.ModuleDict)) else [e])]
+    tied = len({id(p) for m in ends for p in m.parameters()}) < sum(1 for m in ends for _ in m.parameters())
     if not tied:
-        units += [m for m in (embeddings, head) if m is not None and any(True for _ in m.parameters())]
+        units += [m for m in ends if any(True for _ in m.parameters())]
     inside_a_block = {id(m) for b in blocks for m in b.modules() if m is not b}
     # an untied embedding or head inside a block stays a unit of its own, nested in the block's: a model may call it
     # alone (ModernVBERT embeds its tokens through its text model's ``get_input_embeddings()``), which gathers its

@@ -17,6 +17,11 @@ MAPPINGS = {
     "contrastive": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 }
 LABELS = 3
+CAPTIONERS = {"git"}  # language models listed as causal LMs that read an image with their text
+AUDIO_CODES = {"musicgen_decoder", "musicgen_melody_decoder"}  # decoders of audio codes, several codebooks per step
+SPEECH = {"voxtral_realtime"}  # speech-to-text models whose audio frames line up with the text tokens
+VIDEO = {"videoprism"}  # contrastive video-text models
+TOKEN_IMAGES = {"imagegpt"}  # image classifiers that read an image as colour-cluster token ids, not pixel values
 BATCH, LENGTH, TARGET_LENGTH = 2, 8, 6
 
 
@@ -89,29 +94,41 @@ def _vision(config):
 
 def batch(head: str, config, rank: int) -> dict:
     """Rank ``rank``'s micro-batch: token ids clear of the special ids (the low ones and the vocabulary's last ones,
-    where the shrink rule moved the others), pixel values of the configured size, labels as the head needs."""
+    where the shrink rule moved the others), pixel values of the configured size, labels as the head needs; the
+    families of the sets above get the inputs they read instead or besides (video frames, audio codes or features)."""
     generator = torch.Generator().manual_seed(1000 + rank)
     out: dict = {}
-    if head != "image-cls":
+    token_image = config.model_type in TOKEN_IMAGES
+    if head != "image-cls" or token_image:
         vocab = getattr(_text(config), "vocab_size", None) or VOCAB
         high = max(8, min(vocab, VOCAB) - 16)
         out["input_ids"] = torch.randint(4, high, (BATCH, LENGTH), generator=generator)
         eos = getattr(config, "eos_token_id", None)
         if head == "seq-cls" and config.is_encoder_decoder and isinstance(eos, int):
             out["input_ids"][:, -1] = eos  # the head classifies the state at the end-of-sequence token
-    if head in ("image-cls", "contrastive"):
+    if head in ("image-cls", "contrastive") and not token_image or config.model_type in CAPTIONERS:
         vision = _vision(config)
         size = getattr(vision, "image_size", 32)
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
         channels = getattr(vision, "num_channels", 3)
-        out["pixel_values"] = torch.randn(BATCH, channels, *size, generator=generator)
+        if config.model_type in VIDEO:  # a clip of frames per sample
+            out["pixel_values_videos"] = torch.randn(BATCH, vision.num_frames, channels, *size, generator=generator)
+        else:
+            out["pixel_values"] = torch.randn(BATCH, channels, *size, generator=generator)
         if config.model_type == "siglip2":  # patches already cut out, with each image's grid (its processor's output)
             side = int(vision.num_patches ** 0.5)
             out["pixel_values"] = torch.randn(BATCH, side * side, channels * vision.patch_size ** 2,
                                               generator=generator)
             out["pixel_attention_mask"] = torch.ones(BATCH, side * side, dtype=torch.long)
             out["spatial_shapes"] = torch.tensor([[side, side]] * BATCH)
-    if head in ("causal-lm", "masked-lm") or head == "seq2seq" and not config.is_encoder_decoder:
+    if config.model_type in SPEECH:  # log-mel frames: the encoder's convolution halves them, its projector groups
+        frames = LENGTH * 2 * config.downsample_factor  # downsample_factor of them per text token they are added to
+        out["input_features"] = torch.randn(BATCH, config.audio_config.num_mel_bins, frames, generator=generator)
+    codebooks = getattr(config, "num_codebooks", None) if config.model_type in AUDIO_CODES else None
+    if codebooks:  # each step a code per codebook: the ids stacked by codebook, the labels with the codebooks last
+        codes = torch.randint(4, high, (BATCH, codebooks, LENGTH), generator=generator)
+        out["input_ids"], out["labels"] = codes.reshape(BATCH * codebooks, LENGTH), codes.transpose(1, 2)
+    elif head in ("causal-lm", "masked-lm") or head == "seq2seq" and not config.is_encoder_decoder:
         out["labels"] = out["input_ids"].clone()  # a decoder with an audio tower is listed as seq2seq
     elif head == "seq2seq":  # decoder inputs given: no start token to configure
         out["labels"] = torch.randint(4, high, (BATCH, TARGET_LENGTH), generator=generator)
