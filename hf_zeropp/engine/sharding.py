@@ -224,8 +224,7 @@ def _apply_fsdp_units(model: nn.Module, config: ZeroPPConfig, topology: Topology
         root_reshard = reshard if frozen else False
         fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policies[model],
                     offload_policy=offload, ignored_params=ignored)
-    over_budget = prefetch_gathers(model, units, config, ignored, device, kept)
-    if over_budget:
+    if over_budget := prefetch_gathers(model, units, config, ignored, device, kept):
         _warn_and_record(meter, topology, "prefetch_depth", over_budget)
     return units
 
@@ -281,8 +280,7 @@ def _units(model: nn.Module, wrap_modules: list[str] | None) -> list[nn.Module]:
     that one inside a block is sharded before it; of a container of them, MusicGen's one per codebook, its members).
 
     Blocks come from ``wrap_modules`` or the model's ``_no_split_modules`` (transformers' list of layer classes
-    that must stay whole). Tied embeddings stay with the root, so the shared weight lives in one unit.
-    """
+    that must stay whole). Tied embeddings stay with the root, so the shared weight lives in one unit."""
     blocks = _blocks(model, wrap_modules)
     units: list[nn.Module] = []
     ends = [m for e in (_call(model, "get_input_embeddings"), _call(model, "get_output_embeddings")) if e is not None
