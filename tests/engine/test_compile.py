@@ -101,7 +101,7 @@ def _train_every_way(directory: str) -> dict:
 
 
 def test_every_way_of_compiling_trains_as_eager(tmp_path):
-    results = run_distributed(_train_every_way, 4, str(tmp_path), node_size=2)[0]
+    results = run_distributed(_train_every_way, 4, str(tmp_path), node_size=2, timeout=600)[0]
     eager = results["eager"]
     assert len(set(eager["loss"])) == 4 and eager["graphs"] == (0, 0)  # four steps trained, nothing compiled
     for way in ("units", "units_checkpointed", "whole_before", "whole_after", "whole_before_prepare"):
