@@ -13,6 +13,11 @@ Why the collectives stay outside: torch 2.13's FSDP2 cannot be traced (its hooks
 that hold the collectives (torchtitan's SimpleFSDP) replace FSDP2 and with it the custom all-gather and
 reduce-scatter objects that carry qwZ, hpZ, qgZ, hybrid-q and the byte meter; such a graph would also be rebuilt
 whenever ``set_techniques`` switches a technique.
+
+``mode="reduce-overhead"`` and ``mode="max-autotune"`` ask inductor for CUDA graphs. Inductor takes them of graphs
+whose tensors are all on one CUDA device; on CPU it skips them, saying so only in its ``cudagraphs`` log (shown with
+``TORCH_LOGS=cudagraphs``) and a counter (``torch._inductor.cudagraph_utils``), and compiles without them.
+hf_zeropp compiles as torch does there, and says so once.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from .._compat import raise_recompile_limit, uncompiled
 from .auto_trial import after_sharding, is_pending
 from .state import zeropp_state
 
+# torch.compile modes that turn on inductor's CUDA graphs (torch._inductor.list_mode_options)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 # Graphs kept per unit: the first shapes, then dynamic shapes (torch marks a dimension dynamic when it changes), each
 # with and without gradients (training and evaluation)
 GRAPHS_PER_UNIT = 4
-_SAID: list[bool] = []  # rank 0 has warned that the units are compiled instead of the whole model
+_SAID: set[str] = set()  # what rank 0 has warned of, once per process (a filter change elsewhere would repeat it)
 
 
 def compile_units(model: nn.Module, *, asked_by: str = "compile_units", **compile_kwargs: Any) -> None:
@@ -58,7 +65,26 @@ def compile_units(model: nn.Module, *, asked_by: str = "compile_units", **compil
              "the whole model: it has no FSDP unit below its root")
     raised = f"; torch._dynamo recompile_limit raised from {before} to {limit}" if limit != before else ""
     state.meter.conditions["compile"] = f"torch.compile ({options or 'defaults'}) of {classes}, {where} (asked by " \
-                                        f"{asked_by}){raised}"
+                                        f"{asked_by}){raised}{_without_cuda_graphs(state, compile_kwargs)}"
+
+
+def _without_cuda_graphs(state: Any, compile_kwargs: dict[str, Any]) -> str:
+    """The record's note (and rank 0's warning, once) where the compile asks for CUDA graphs off CUDA."""
+    mode, options = compile_kwargs.get("mode"), compile_kwargs.get("options") or {}
+    if (mode not in CUDA_GRAPH_MODES and not options.get("triton.cudagraphs")) or state.topology.device_type == "cuda":
+        return ""
+    asked = f"mode={mode!r}" if mode in CUDA_GRAPH_MODES else "options={'triton.cudagraphs': True}"
+    note = f"; {asked} asks for CUDA graphs: none on {state.topology.device_type}, compiled without them"
+    _warn_once(state.topology.rank, f"hf_zeropp: torch.compile {asked} asks for CUDA graphs; on "
+               f"{state.topology.device_type} torch compiles without them (the step is inductor's, not CUDA "
+               f"graphs'), comm_stats(model)['implementations']['compile'] records it")
+    return note
+
+
+def _warn_once(rank: int, message: str) -> None:
+    if rank == 0 and message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def compile_as_accelerate_asks(model: nn.Module, plugin: Any, rank: int) -> None:
@@ -66,12 +92,10 @@ def compile_as_accelerate_asks(model: nn.Module, plugin: Any, rank: int) -> None
     ``--dynamo_backend`` / ``dynamo_config``, the Trainer's ``--torch_compile``) ask: per FSDP unit. Where they ask for
     the whole model (``use_regional_compilation`` off, the default), rank 0 says once that the units are compiled
     instead; a whole-model graph would break at every unit's FSDP hooks."""
-    if not plugin.use_regional_compilation and rank == 0 and not _SAID:
-        _SAID.append(True)  # once per process: a filter change elsewhere would let warnings repeat it
-        warnings.warn("hf_zeropp compiles a sharded model per FSDP unit (each transformer block), not as one "
-                      "whole-model graph as Accelerate's dynamo settings ask: the whole model's graph would break at "
-                      "every unit's FSDP hooks (comm_stats(model)['implementations']['compile'] records it)",
-                      stacklevel=3)
+    if not plugin.use_regional_compilation:
+        _warn_once(rank, "hf_zeropp compiles a sharded model per FSDP unit (each transformer block), not as one "
+                         "whole-model graph as Accelerate's dynamo settings ask: the whole model's graph would break "
+                         "at every unit's FSDP hooks (comm_stats(model)['implementations']['compile'] records it)")
     compile_units(model, asked_by="Accelerate's dynamo settings (Trainer --torch_compile, --dynamo_backend)",
                   **plugin.to_kwargs())
 

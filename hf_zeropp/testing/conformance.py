@@ -182,9 +182,8 @@ def _compiled(mode: str, workdir: Path) -> dict:
             "compile": implementations.get("compile"), "model_class": type(model).__name__}
 
 
-# The modes the compiled pattern runs in (each compile costs seconds per rank): stage 1's no_sync, stage 3, ZeRO++'s
-# three techniques and hybrid-q's cross-node all-reduce; zero2 and hybrid compile the same units as zero1 and zero3
-COMPILED_MODES = ("stock", "zero1", "zero3", "zeropp", "hybrid-q")
+# The modes the compiled pattern runs in: every mode of the suite (stage 0 compiled is in tests/engine/test_compile.py)
+COMPILED_MODES = ("stock", "zero1", "zero2", "zero3", "hybrid", "zeropp", "hybrid-q")
 
 
 def accelerate_patterns(mode: str, workdir: str) -> dict:
@@ -302,6 +301,8 @@ def _trl_trainer(kind: str, mode: str, base: Path, output_dir: Path):
     else:
         trainer_class, config_class = GRPOTrainer, GRPOConfig
         options = dict(max_steps=2, beta=0.1, num_generations=4, max_completion_length=8, temperature=1.0)
+        if mode == COMPILED_TRL_MODE:  # its generation and training on the compiled units; eager's arithmetic
+            options["torch_compile_backend"] = "eager"
         data = {"train_dataset": Dataset.from_dict({"prompt": [f"Value {i}:" for i in range(32)]}),
                 "reward_funcs": _digit_reward}
     if mode != "stock":
@@ -311,8 +312,16 @@ def _trl_trainer(kind: str, mode: str, base: Path, output_dir: Path):
     return trainer_class(model=str(base), args=config_class(**common, **options), **data)
 
 
+# The mode whose GRPO run compiles its model (the Trainer's --torch_compile_backend eager: dynamo's graphs, run as eager
+# runs them; aot_eager costs twice the CPU here): generation and training through the compiled units, against stock's
+# uncompiled run
+COMPILED_TRL_MODE = "zero3"
+
+
 def trl_patterns(mode: str, workdir: str) -> dict:
     """SFT, DPO and GRPO (beta > 0, so both build a reference model) with full fine-tuning."""
+    import hf_zeropp
+
     results = {}
     for kind in ("sft", "dpo", "grpo"):
         trainer = _trl_trainer(kind, mode, Path(workdir) / "base", Path(workdir) / mode / kind)
@@ -322,7 +331,9 @@ def trl_patterns(mode: str, workdir: str) -> dict:
         results[kind] = {"loss": [e["loss"] for e in logs if "loss" in e],
                          "sharded": hasattr(trainer.model, "_zeropp"),
                          "reference_bytes": _per_rank_bytes(reference) if reference is not None else None,
-                         "reference_sharded": hasattr(reference, "_zeropp")}
+                         "reference_sharded": hasattr(reference, "_zeropp"),
+                         "compile": (hf_zeropp.comm_stats(trainer.model)["implementations"].get("compile")
+                                     if hasattr(trainer.model, "_zeropp") else None)}
         if kind == "grpo":
             results[kind]["reward"] = [e["reward"] for e in logs if "reward" in e]
     return results

@@ -68,6 +68,8 @@ def analyse(link_results: dict[str, dict], args) -> dict:
                 row["wire_error"] = [m / e - 1 if e else None
                                      for m, e in zip(measured, row["expected_wire_per_node_per_step"])]
             row["window_s_per_step"] = sum(w["seconds"] for w in windows) / n_steps
+            if all(r[name].get("first_step") is not None for r in per_rank):  # holds a compiled run's compile
+                row["first_step_s"] = max(r[name]["first_step"] for r in per_rank)
             for source, target in (("breakdown", "breakdown_s_per_step"),
                                    ("breakdown_kernels", "breakdown_kernel_s_per_step"),
                                    ("breakdown_events", "profiler_events_per_step"),

@@ -66,6 +66,11 @@ own on the unshaped link of the same launch (``--links ...,none``), and the head
 native bf16 (a bf16 run on a CPU without it is compute-bound); the speedup targets are judged where the slower
 configuration is communication-bound (scripts/benchmarks/analysis.py).
 
+``--compile BACKEND`` also runs every hf_zeropp configuration with its FSDP units compiled
+(``hf_zeropp.compile_units``, what ``--torch_compile`` does), named ``<configuration> compiled (<backend>)``, beside
+its eager run in the same launch; each run's first warm-up step (the slowest rank's, holding the compile) is
+``first_step_s`` in results.json.
+
 Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``. Needs root, ``ip`` and ``tc``.
 The code is in scripts/benchmarks/ (worker, orchestration, analysis, report); this file is the command line.
 """
@@ -78,6 +83,7 @@ import time
 
 
 from .analysis import analyse, targets
+from .compiled import add_compile_option
 from .configs import CONFIGS, DEEPSPEED, HF_TWINS, LINKS, ON_REQUEST
 from .orchestrate import output_folder, parse_cli, requirements_problem, run_link, run_links
 from .report import chart, markdown, write
@@ -109,6 +115,7 @@ def main() -> int:
     parser.add_argument("--breakdown-steps", type=int, default=2,
                         help="extra steps per hf_zeropp configuration under torch.profiler (time in the all-gather / "
                              "reduce-scatter calls and their kernels); 0 = off")
+    add_compile_option(parser)
     args = parse_cli(parser, CONFIGS, {**ON_REQUEST, **DEEPSPEED, **HF_TWINS})
     if args.worker:
         from .worker import worker  # torch, transformers and hf_zeropp: only on the ranks

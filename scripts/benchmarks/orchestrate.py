@@ -91,7 +91,8 @@ def run_link(link: str, args, out: Path, probe_mb: float) -> dict:
                    "--n-embd", str(args.n_embd), "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
                    "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
                    "--batch-per-rank", str(args.batch_per_rank), "--precision", args.precision,
-                   "--breakdown-steps", str(args.breakdown_steps)] + (["--untied"] if args.untied else [])
+                   "--breakdown-steps", str(args.breakdown_steps)] + (["--untied"] if args.untied else []) + \
+        (["--compile", args.compile] if args.compile else [])
     return run_emulated("scripts.benchmarks.cluster", worker_args, link, raw, out / f"counters_{link}.json",
                         nodes=args.nodes, nproc_per_node=args.nproc_per_node, threads=args.threads,
                         timeout=args.timeout, python=args.python)

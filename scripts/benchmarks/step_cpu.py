@@ -29,8 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_zeropp import ZeroPPConfig, compile_units, shard_model
+from hf_zeropp import ZeroPPConfig, shard_model
 from hf_zeropp.testing.spawn import run_distributed
+
+from .compiled import add_compile_option, compile_if_asked, eager_and_compiled, run_name
 
 
 def _measure(runs: list[tuple[str, str | None]], node_size: int, steps: int, profile: bool,
@@ -45,8 +47,7 @@ def _measure(runs: list[tuple[str, str | None]], node_size: int, steps: int, pro
                                            bos_token_id=0, eos_token_id=0))
         model = shard_model(model, ZeroPPConfig.preset(preset, node_size=node_size, reduce_dtype=precision,
                                                        mixed_precision="no" if precision == "fp32" else precision))
-        if backend is not None:
-            compile_units(model, backend=backend)
+        compile_if_asked(model, backend)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ids = torch.randint(0, 8192, (1, 128), generator=torch.Generator().manual_seed(dist.get_rank()))
 
@@ -76,7 +77,7 @@ def _measure(runs: list[tuple[str, str | None]], node_size: int, steps: int, pro
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
             hot = text.getvalue()
-        results[_name(preset, backend)] = {"cpu": cpu, "wall": (time.perf_counter() - wall) / steps, "first": first,
+        results[run_name(preset, backend)] = {"cpu": cpu, "wall": (time.perf_counter() - wall) / steps, "first": first,
                                            "hot": hot}
     return results
 
@@ -85,10 +86,6 @@ def _slowest(seconds: float) -> float:
     value = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value)
-
-
-def _name(preset: str, backend: str | None) -> str:
-    return preset if backend is None else f"{preset} compiled ({backend})"
 
 
 def main() -> None:
@@ -100,13 +97,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="rank 0's hot spots (makes rank 0 slower)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="compute and gradient reduction dtype; default %(default)s")
-    parser.add_argument("--compile", metavar="BACKEND",
-                        help="also run each preset with its FSDP units compiled by this torch.compile backend "
-                             "(inductor, aot_eager, ...)")
+    add_compile_option(parser)
     args = parser.parse_args()
-    backends = [None] if args.compile is None else [None, args.compile]
-    runs = [(preset, backend) for preset in args.presets.split(",") for backend in backends]
-    names = [_name(*run) for run in runs]
+    runs = eager_and_compiled(args.presets.split(","), args.compile)
+    names = [run_name(*run) for run in runs]
     ranks = run_distributed(_measure, args.world, runs, args.node_size, args.steps, args.profile, args.precision,
                             node_size=args.node_size, timeout=1800)
     print("| run | CPU ms per step, median of ranks (min-max) | wall ms per step | first step, s |")

@@ -26,6 +26,7 @@ from hf_zeropp.comm.comm_meter import all_gather_single, reduce_scatter_single
 from hf_zeropp._compat import fsdp_param_groups, group_parameters, group_reshards_after_forward
 
 from . import breakdown
+from .compiled import compile_if_asked, eager_and_compiled, run_name
 from .configs import CONFIGS, DEEPSPEED, HF_TWINS, ON_REQUEST
 from .wire import KINDS, counter_delta, read_counters, wire_factors
 
@@ -223,23 +224,31 @@ def worker(args) -> None:
         return torch.randint(0, args.vocab, (args.batch_per_rank, args.seq_len), generator=generator)
 
     entries, not_run = [], {}
-    for name in [n for n in args.configs.split(",") if n]:
-        entry, reason = _runs(name, {**CONFIGS, **ON_REQUEST, **HF_TWINS}.get(name), args, node_size,
-                              lambda entry: _step(entry, batch()))
+    for name, backend in eager_and_compiled([n for n in args.configs.split(",") if n], args.compile):
+        options = {**CONFIGS, **ON_REQUEST, **HF_TWINS}.get(name)
+        if backend is not None and (options is None or name in DEEPSPEED):
+            not_run[run_name(name, backend)] = "--compile compiles hf_zeropp's configurations (compile_units)"
+            continue
+        entry, reason = _runs(name, options, args, node_size, lambda entry: _step(entry, batch()))
         if entry is None:
             not_run[name] = reason
             say(f"{name} does not run here: {reason}")
         else:
+            entry["name"] = run_name(name, backend)
+            compile_if_asked(entry["model"], backend)
             entries.append(entry)
     names = [entry["name"] for entry in entries]
     say(f"GPT-2 {entries[0]['params'] / 1e6:.2f}M params, {world} ranks ({world // node_size} nodes x {node_size}), "
         f"{args.batch_per_rank} x {args.seq_len} tokens per rank; configs: {', '.join(names)}")
 
-    for entry in entries:  # warm-up (lazy init, allocator, kernel JIT load)
+    for entry in entries:  # warm-up (lazy init, allocator, kernel JIT load; a compiled run's compile)
         start = time.perf_counter()
-        for _ in range(args.warmup):
+        for index in range(args.warmup):
             _step(entry, batch())
-        say(f"warm-up {entry['name']}: {(time.perf_counter() - start) / max(args.warmup, 1):.2f} s/step")
+            if index == 0:
+                entry["first_step"] = time.perf_counter() - start
+        say(f"warm-up {entry['name']}: {(time.perf_counter() - start) / max(args.warmup, 1):.2f} s/step, first "
+            f"step {entry.get('first_step', 0):.1f} s")
     for entry in entries:
         if entry["metered"]:
             hf_zeropp.comm_stats(entry["model"], reset=True)
@@ -298,7 +307,8 @@ def worker(args) -> None:
                         "derived_stats": e.get("derived_stats"), "breakdown": e.get("breakdown"),
                         "breakdown_kernels": e.get("breakdown_kernels"),
                         "breakdown_events": e.get("breakdown_events"),
-                        "breakdown_phases": e.get("breakdown_phases")} for e in entries}
+                        "breakdown_phases": e.get("breakdown_phases"), "first_step": e.get("first_step")}
+            for e in entries}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:

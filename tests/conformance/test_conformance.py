@@ -232,6 +232,8 @@ def test_trl_trainers_behind_the_mixin_equal_stock(trl_results, kind, mode):
     assert _close(ours["loss"], stock["loss"], _tolerance(mode)), (ours["loss"], stock["loss"])
     if kind == "grpo":
         assert _close(ours["reward"], stock["reward"], _tolerance(mode)), (ours["reward"], stock["reward"])
+    if kind == "grpo" and mode == conformance.COMPILED_TRL_MODE:  # generated and trained on the compiled units
+        assert "per FSDP unit" in ours["compile"][0] and "backend='eager'" in ours["compile"][0], ours["compile"]
 
 
 @pytest.mark.parametrize("kind", ["dpo", "grpo"])

@@ -77,8 +77,11 @@ def _trl_data(work: Path) -> None:
 
 @background.launches("one_file_runs", prepare=_trl_data)
 def _one_file_launches(work: Path) -> dict:
-    output = hf_zeropp_launch("--config_file", str(ONE_FILE_2X2), "--dynamo_backend", "eager",
-                               str(LAUNCH_SCRIPTS / "accelerate_patterns.py"), "--output", str(work / "launched"))
+    compiling = work / "cpu_2x2_compiled.yaml"  # the one file with Accelerate's dynamo_config added
+    compiling.write_text(yaml.safe_dump({**yaml.safe_load(ONE_FILE_2X2.read_text()),
+                                         "dynamo_config": {"dynamo_backend": "EAGER"}}))
+    output = hf_zeropp_launch("--config_file", str(compiling), str(LAUNCH_SCRIPTS / "accelerate_patterns.py"),
+                              "--output", str(work / "launched"))
 
     def ported(preset: str, script: str, *args: str, env: tuple[str, ...] = ()) -> str:
         return shlex.join([f"ZEROPP_CONFIG={preset}", "ZEROPP_NODE_SIZE=2", *env, str(LAUNCH_SCRIPTS / script),
@@ -123,8 +126,9 @@ def accelerate_runs(one_file_runs) -> dict[str, dict]:
 def test_accelerate_script_under_the_launcher_equals_the_ported_script_bit_for_bit(accelerate_runs):
     """One-call prepare with accumulation, clipping, a scheduler and gather_for_metrics; split prepare; save_state
     then load_state into a fresh run; save_model: the same numbers as the script with ``from hf_zeropp import
-    Accelerator``, and the ported run's meter shows ZeRO++'s three techniques at work. Both compile (the launch's
-    ``--dynamo_backend eager``), which keeps eager's numbers."""
+    Accelerator``, and the ported run's meter shows ZeRO++'s three techniques at work. Both compile (the launched
+    run as its YAML's ``dynamo_config`` says, the ported one by its variable), with the ``eager`` backend, which keeps
+    eager's numbers."""
     launched, imported = accelerate_runs["launched"], accelerate_runs["imported"]
     hf_zeropp_accelerator = "hf_zeropp.integrations.accelerate_integration.Accelerator"
     assert launched["accelerator_class"] == imported["accelerator_class"] == hf_zeropp_accelerator
@@ -138,7 +142,7 @@ def test_accelerate_script_under_the_launcher_equals_the_ported_script_bit_for_b
     assert stats["fwd_allgather"]["inter_node"] > 0 and "qwZ int8" in stats["implementations"]["fwd_allgather"][0]
     assert stats["bwd_allgather"]["inter_node"] == 0 and stats["bwd_allgather"]["intra_node"] > 0  # hpZ
     assert stats["qgz_inter"]["inter_node"] > 0  # qgZ
-    # the launch line's --dynamo_backend (the ported run: its variable) compiles each FSDP unit, said once on rank 0
+    # the YAML's dynamo_config (the ported run: its variable) compiles each FSDP unit, said once on rank 0
     assert "per FSDP unit" in stats["implementations"]["compile"][0], stats["implementations"]["compile"]
     assert accelerate_runs["launched"]["output"].count("hf_zeropp compiles a sharded model per FSDP unit") == 1
 
