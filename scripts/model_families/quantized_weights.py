@@ -8,7 +8,8 @@ gathered weights to fp32 rounding, qwZ's whole difference from stock is the INT8
 For a mixture of experts whose routers return (dispatch mask, probability, logits), as Switch Transformers' do, it
 also compares the routing token by token (stock's weights against the gathered ones, and against them with only the
 routers' weights gathered or only theirs stock's), and the gradient at the gathered weights with stock's routing
-forced.
+forced. To show the error follows the rounding, it also takes stock's gradient at stock's weights plus a fraction of
+qwZ's rounding.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                                     ("qwZ against stock at qwZ's weights", qwz["grads"], gathered["grads"])):
         whole, worst, name = _errors(grads, reference)
         print(f"gradient, {label}: whole {whole:.2e}, worst parameter {worst:.2e} ({name})")
+    for fraction in (1 / 64, 1 / 8, 1 / 2):  # a wiring fault would not shrink with the rounding
+        scaled = {n: initial[n].detach() + fraction * (w - initial[n].detach()) for n, w in qwz["weights"].items()}
+        whole = _errors(_stock_at(head, family, scaled)["grads"], stock["grads"])[0]
+        print(f"gradient at stock's weights + {fraction:g} x qwZ's rounding, against stock: whole {whole:.2e}")
     if stock["routers"]:
         only = {"only the routers' weights qwZ's": {n: w for n, w in qwz["weights"].items() if ".router." in n},
                 "all but the routers' weights qwZ's": {n: w for n, w in qwz["weights"].items()
