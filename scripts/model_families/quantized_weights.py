@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hf_zeropp.testing.spawn import run_distributed
 
 from .catalog import batch, build, loss, tiny_config
-from .ranks import _sharded
+from .ranks import sharded_step
 
 WORLD, NODE_SIZE = 4, 2
 
@@ -48,7 +48,7 @@ def _capture_ranks(head: str, family: str) -> dict | None:
 
     handle = register_optimizer_step_pre_hook(lambda *args: forward_done.append(True))
     try:
-        ours = _sharded(head, family, tiny_config(head, family), "zeropp-qwz", NODE_SIZE, observe)
+        ours = sharded_step(head, family, tiny_config(head, family), "zeropp-qwz", NODE_SIZE, observe)
     finally:
         handle.remove()
     everyone = [None] * dist.get_world_size()

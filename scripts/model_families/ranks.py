@@ -68,7 +68,7 @@ def _mean(value: torch.Tensor) -> float:
     return float(value) / dist.get_world_size()
 
 
-def _sharded(head: str, family: str, config, preset: str, node_size: int, observe=None) -> dict:
+def sharded_step(head: str, family: str, config, preset: str, node_size: int, observe=None) -> dict:
     """This rank's micro-batch under ``preset``: the mean loss, the full gradients (on rank 0), the loss after.
     ``observe(model)``, if given, is called on the sharded model before its forward."""
     import hf_zeropp
@@ -152,7 +152,7 @@ def one_family(head: str, family: str, preset: str, node_size: int, tolerance: d
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            ours = _sharded(head, family, config, preset, node_size)
+            ours = sharded_step(head, family, config, preset, node_size)
             status = ("ok", "")
         except Exception as error:
             ours = None

@@ -38,7 +38,6 @@ def test_a_miss_of_the_gradient_bounds_traced_to_quantization_is_explained_and_n
               "reason": "grad 1.0e+00 > 0.25; worst_grad 1.0e+00 > 1"}
     explained = explain(record, TOLERANCE["zeropp"])
     assert explained["class"] == "explained" and "BatchNorm" in explained["reason"]
-    assert "grad 1.0e+00 > 0.25" in explained["reason"]
     assert explain({**record, "errors": {**errors, "loss": 0.2}}, TOLERANCE["zeropp"])["class"] == "fail"
     assert explain({**record, "reason": "gradients missing ['x'] / extra []"}, TOLERANCE["zeropp"])["class"] == "fail"
     assert explain({**record, "family": "vit"}, TOLERANCE["zeropp"])["class"] == "fail"
