@@ -305,6 +305,19 @@ def test_full_precision_1d_stays_exact_in_a_unit_with_an_unused_parameter():
             assert relative_error(vectors[name], exact[name]) <= 1e-6, name
 
 
+def test_full_precision_1d_warns_once_where_the_layout_is_not_the_expected_one(monkeypatch):
+    """Where FSDP2's buffer does not match the unit's parameters, its 1-D parameters are quantized with the matrices:
+    a warning says so, once per unit (the meter notes every call)."""
+    from hf_zeropp.comm import layout
+
+    monkeypatch.setattr(layout, "parameter_spans", lambda *args: None)
+    vectors = layout.VectorSlices(torch.nn.Linear(2, 2), trainable_only=True)
+    with pytest.warns(UserWarning, match="Linear: FSDP2's reduce-scatter buffer does not match") as caught:
+        assert vectors.positions(8, 4, torch.device("cpu")) is None
+        assert vectors.positions(8, 4, torch.device("cpu")) is None
+    assert len(caught) == 1
+
+
 def _qwz_gathered_block(weight_full_precision_1d: bool):
     """One forward of a GPT-2 block at h = 768 with trained-like values (gains 1 +- 0.1, biases N(0, 0.02),
     matrices N(0, 0.02)) under qwZ at 2 nodes x 2: each parameter's relative error as the forward sees it, and the
