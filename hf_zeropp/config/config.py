@@ -114,6 +114,10 @@ class ZeroPPConfig:
     block_size: int = _option(256, QWZ, "elements per quantization block (one fp32 scale each) for weights")
     weight_full_precision_1d: bool = _option(
         True, QWZ, "qwZ: 1-D parameters gathered in the compute dtype; False quantizes them with the matrices")
+    weight_deltas: bool = _option(
+        False, QWZ, "qwZ sends, after one full-precision gather, the `weight_bits`-wide difference between this step's "
+                    "weights and the copy every node keeps (one cross-node gather among the ranks of equal local "
+                    "index, then one inside the node; about 1/node_size of the weights per rank, kept between steps)")
     quantized_nontrainable_weights: bool = _option(
         False, QWZ, "frozen weights stored as INT8 (LoRA / RLHF)")
     # ---------------------------------------------------------------- hpZ
