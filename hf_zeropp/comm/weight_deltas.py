@@ -34,9 +34,15 @@ import torch.distributed as dist
 from .. import kernels
 from . import qwz
 from .comm_meter import CommMeter, allgather_kind, all_gather_single, finish_after, nbytes
-from .qwz import QuantizedAllGather, start_all_gather_packed
+from .qwz import QuantizedAllGather, all_gather_packed, start_all_gather_packed
 from ..config.config import ZeroPPConfig
 from .topology import Topology
+
+
+# A difference whose quantization would leave this rank's shard further than this (relative L2) from the master is
+# sent again whole, in the same gather: about INT8 qwZ's own error on GPT-2 weights (2e-3 to 4e-3), so the weights
+# forward uses are never further off than INT8's, whatever changed them (an optimizer step, an edit in place).
+DIFFERENCE_ERROR_LIMIT = 4e-3
 
 
 class DeltaAllGather(QuantizedAllGather):
@@ -67,42 +73,56 @@ class DeltaAllGather(QuantizedAllGather):
             return super()._gather(output_tensor, input_tensor, group, async_op)
         kind = allgather_kind()
         shard = input_tensor.clone()  # FSDP's input is a view of this rank's slot of the output
-        nodes, numel = self.topology.nodes, shard.numel()
-        if self.copy is not None and self.copy.shape == (nodes, numel) and self.copy.dtype == shard.dtype:
-            if kind == "bwd_allgather":  # the copy holds what forward computed with
-                self._gather_node_copies(output_tensor, kind)
-                return None
-            payload, positions, label = self._difference(kind, shard)
-            whole = False
-        else:
-            payload, positions, whole = [shard], None, True
-            label = f"weight deltas: full {shard.dtype} gather (first, or after the weights were replaced)"
+        layout = (self.topology.nodes, shard.numel())
+        if self.copy is None or self.copy.shape != layout or self.copy.dtype != shard.dtype:
+            self._send_whole(kind, shard, "first, or after the weights were replaced")
+            self._record_error(kind, shard)
+            self._gather_node_copies(output_tensor, kind)
+            return None
+        if kind == "bwd_allgather":  # the copy holds what forward computed with
+            self._gather_node_copies(output_tensor, kind)
+            return None
+        payload, positions = self._difference(kind, shard)
         inter = self.topology.inter_node_group
         work, arrivals = start_all_gather_packed(payload, inter)
-        self.meter.record(kind, inter, sum(nbytes(t) for t in payload), label)
 
         def apply_arrivals() -> None:
             gathered = arrivals()
-            if whole:
-                self.copy = gathered[0].view(shard.dtype).view(nodes, numel)
-            else:
-                self._add_differences(gathered, positions, numel)
-            if self.meter.track_errors:
-                self.meter.record_error(kind, shard, self.copy[self.topology.node])
-            self._gather_node_copies(output_tensor, kind)
+            self._add_differences(gathered, positions, shard.numel())
+            if self._gather_node_copies(output_tensor, kind, too_coarse=bool(gathered[-1].any())):
+                self._send_whole(kind, shard, f"a difference lost more than {DIFFERENCE_ERROR_LIMIT:g} of a shard "
+                                              f"to int{self.bits}")
+                self._gather_node_copies(output_tensor, kind)
+            self._record_error(kind, shard)
 
         return finish_after(work, apply_arrivals, async_op)
 
-    def _difference(self, kind: str, shard: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None, str]:
-        """The payload of this rank's difference from its copy: codes, scales and the 1-D parameters' values."""
+    def _send_whole(self, kind: str, shard: torch.Tensor, why: str) -> None:
+        """Gather the column's shards unquantized into the copy, which is then exact."""
+        inter = self.topology.inter_node_group
+        self.meter.record(kind, inter, nbytes(shard), f"weight deltas: full {shard.dtype} gather across nodes ({why})")
+        self.copy = all_gather_packed([shard], inter)[0].view(shard.dtype)
+
+    def _record_error(self, kind: str, shard: torch.Tensor) -> None:
+        if self.meter.track_errors:
+            self.meter.record_error(kind, shard, self.copy[self.topology.node])
+
+    def _difference(self, kind: str, shard: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The payload of this rank's difference from its copy: codes, scales, the 1-D parameters' values, and
+        whether the codes lose more than :data:`DIFFERENCE_ERROR_LIMIT` of the shard (one byte)."""
         difference = shard.float() - self.copy[self.topology.node].float()
         _, positions = self._take_vectors(kind, difference, self.topology.world_size)  # zeroed in the difference
         codes, scales = kernels.quantize(difference, self.bits, self.block_size, backend=self.backend)
-        payload = [codes, scales] + ([shard[positions]] if positions is not None else [])
-        label = (f"weight deltas: int{self.bits} differences across nodes (block {self.block_size})"
-                 + (f", 1-D parameters in {shard.dtype}" if positions is not None else "")
-                 + f", kernels {kernels.active_backend(shard.device, self.backend)}")
-        return payload, positions, label
+        restored = kernels.dequantize(codes, scales, bits=self.bits, block_size=self.block_size,
+                                      length=difference.numel(), dtype=torch.float32, backend=self.backend)
+        too_coarse = (restored - difference).norm() > DIFFERENCE_ERROR_LIMIT * shard.float().norm()
+        payload = [codes, scales] + ([shard[positions]] if positions is not None else []) + [
+            too_coarse.to(torch.uint8).reshape(1)]
+        self.meter.record(kind, self.topology.inter_node_group, sum(nbytes(t) for t in payload),
+                          f"weight deltas: int{self.bits} differences across nodes (block {self.block_size})"
+                          + (f", 1-D parameters in {shard.dtype}" if positions is not None else "")
+                          + f", kernels {kernels.active_backend(shard.device, self.backend)}")
+        return payload, positions
 
     def _add_differences(self, gathered: list[torch.Tensor], positions: torch.Tensor | None, numel: int) -> None:
         differences = kernels.dequantize(gathered[0], gathered[1].view(torch.float32), bits=self.bits,
@@ -113,21 +133,28 @@ class DeltaAllGather(QuantizedAllGather):
             copy[:, positions] = gathered[2].view(copy.dtype)
         self.copy = copy
 
-    def _gather_node_copies(self, output_tensor: torch.Tensor, kind: str) -> None:
+    def _gather_node_copies(self, output_tensor: torch.Tensor, kind: str, too_coarse: bool | None = None) -> bool:
         """Lay every node's shards into FSDP's output (rows in world-rank order): this node's ranks exchange their
-        copies, column ``l`` holding the shards of the ranks with local index ``l``."""
+        copies, column ``l`` holding the shards of the ranks with local index ``l``. ``too_coarse`` (whether a
+        difference of this rank's column lost too much) travels with the copies; returns whether any column's did,
+        the same answer on every rank of the world."""
         nodes, node_size = self.topology.nodes, self.topology.node_size
         numel = self.copy.shape[1]
+        sent = self.copy.reshape(-1)
+        if too_coarse is not None:
+            sent = torch.cat([sent, sent.new_full((1,), float(too_coarse))])
         if node_size == 1:
-            output_tensor.view(nodes, numel).copy_(self.copy)
-            return
-        intra = self.topology.intra_node_group
-        columns = self.copy.new_empty(node_size * nodes * numel)
-        all_gather_single(columns, self.copy.reshape(-1), group=intra)
-        self.meter.record(kind, intra, nbytes(self.copy), f"weight deltas: node-local {self.copy.dtype} all_gather "
-                                                          f"of the kept copies")
-        output_tensor.view(nodes, node_size, numel).copy_(columns.view(node_size, nodes, numel).transpose(0, 1))
-
+            columns = sent
+        else:
+            intra = self.topology.intra_node_group
+            columns = sent.new_empty(node_size * sent.numel())
+            all_gather_single(columns, sent, group=intra)
+            self.meter.record(kind, intra, nbytes(sent), f"weight deltas: node-local {sent.dtype} all_gather of the "
+                                                        f"kept copies")
+        columns = columns.view(node_size, -1)
+        output_tensor.view(nodes, node_size, numel).copy_(columns[:, :nodes * numel].reshape(node_size, nodes, numel)
+                                                          .transpose(0, 1))
+        return too_coarse is not None and bool(columns[:, -1].any())
 
 def make_all_gather(config: ZeroPPConfig, topology: Topology, meter: CommMeter,
                     module: torch.nn.Module) -> QuantizedAllGather:

@@ -301,8 +301,8 @@ class ZeroPPConfig:
     def preset(cls, name: str, **overrides: Any) -> ZeroPPConfig:
         """A named configuration: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zeropp`` (qwZ+hpZ+qgZ),
         ``zeropp-accurate`` (zeropp with Hadamard-rotated qgZ blocks, an 8-bit intra-node hop and own rows in fp32),
-        ``zeropp-lora``,
-        ``zeropp-qwz``, ``zeropp-hpz``, ``zeropp-qgz``."""
+        ``zeropp-lora``, ``zeropp-deltas`` (qwZ by INT4 weight differences), ``zeropp-qwz``, ``zeropp-hpz``,
+        ``zeropp-qgz``."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
