@@ -15,7 +15,9 @@ unit's weights, in the compute dtype, from one step to the next. A gather over t
    (its own row comes back from the gather like the others), so all copies stay bit-identical and the next
    difference is taken against what the receivers hold: the quantization error does not pile up, the next step
    sends it again;
-2. a node-local all-gather of the copies, which lays the node's ``k`` columns into FSDP's output.
+2. a node-local all-gather of the copies, which lays the node's ``k`` columns into FSDP's output. A flag beside
+   each payload says whether a rank's difference lost more than :data:`DIFFERENCE_ERROR_LIMIT` of its shard; if any
+   did, every rank sends what is left again at 8 bits, then if needed the shards whole, before forward computes.
 
 The first gather of a unit, and the first after :meth:`DeltaAllGather.forget` (weights loaded from outside the
 optimizer, qwZ switched off and on), sends the shards in the compute dtype and the copy starts exact. A backward's
@@ -39,9 +41,10 @@ from ..config.config import ZeroPPConfig
 from .topology import Topology
 
 
-# A difference whose quantization would leave this rank's shard further than this (relative L2) from the master is
-# sent again whole, in the same gather: about INT8 qwZ's own error on GPT-2 weights (2e-3 to 4e-3), so the weights
-# forward uses are never further off than INT8's, whatever changed them (an optimizer step, an edit in place).
+# A difference whose quantization would leave a rank's shard further than this (relative L2) from the master is
+# refined in the same gather: what is left is sent again at 8 bits, then, if that is still too far, the shards whole.
+# About INT8 qwZ's own error on GPT-2 weights (2e-3 to 4e-3), so the weights forward uses are never further off than
+# INT8's, whatever changed them (a large optimizer step, an edit in place).
 DIFFERENCE_ERROR_LIMIT = 4e-3
 
 
@@ -59,8 +62,9 @@ class DeltaAllGather(QuantizedAllGather):
     @enabled.setter
     def enabled(self, on: bool) -> None:
         # the weights train on while the deltas are off, so switching them on again starts from a full gather
+        if on != getattr(self, "_enabled", None):
+            self.forget()
         self._enabled = on
-        self.forget()
 
     def forget(self) -> None:
         """Drop the copy: the next gather over the world sends the shards whole. Call it on every rank together
@@ -82,17 +86,22 @@ class DeltaAllGather(QuantizedAllGather):
         if kind == "bwd_allgather":  # the copy holds what forward computed with
             self._gather_node_copies(output_tensor, kind)
             return None
-        payload, positions = self._difference(kind, shard)
-        inter = self.topology.inter_node_group
-        work, arrivals = start_all_gather_packed(payload, inter)
+        payload, positions = self._difference(kind, shard, self.bits)
+        work, arrivals = start_all_gather_packed(payload, self.topology.inter_node_group)
 
         def apply_arrivals() -> None:
             gathered = arrivals()
-            self._add_differences(gathered, positions, shard.numel())
-            if self._gather_node_copies(output_tensor, kind, too_coarse=bool(gathered[-1].any())):
-                self._send_whole(kind, shard, f"a difference lost more than {DIFFERENCE_ERROR_LIMIT:g} of a shard "
-                                              f"to int{self.bits}")
-                self._gather_node_copies(output_tensor, kind)
+            self._add_differences(gathered, positions, self.bits)
+            finer = [8] if self.bits < 8 else []
+            while self._gather_node_copies(output_tensor, kind, too_coarse=bool(gathered[-1].any())):
+                if not finer:
+                    self._send_whole(kind, shard, f"a difference lost more than {DIFFERENCE_ERROR_LIMIT:g} of a shard")
+                    self._gather_node_copies(output_tensor, kind)
+                    break
+                bits = finer.pop()
+                payload, _ = self._difference(kind, shard, bits)
+                gathered = all_gather_packed(payload, self.topology.inter_node_group)
+                self._add_differences(gathered, positions, bits)
             self._record_error(kind, shard)
 
         return finish_after(work, apply_arrivals, async_op)
@@ -107,26 +116,28 @@ class DeltaAllGather(QuantizedAllGather):
         if self.meter.track_errors:
             self.meter.record_error(kind, shard, self.copy[self.topology.node])
 
-    def _difference(self, kind: str, shard: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The payload of this rank's difference from its copy: codes, scales, the 1-D parameters' values, and
-        whether the codes lose more than :data:`DIFFERENCE_ERROR_LIMIT` of the shard (one byte)."""
+    def _difference(self, kind: str, shard: torch.Tensor, bits: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The payload of this rank's ``bits``-wide difference from its copy: codes, scales, the 1-D parameters'
+        values, and whether the codes lose more than :data:`DIFFERENCE_ERROR_LIMIT` of the shard (one byte)."""
         difference = shard.float() - self.copy[self.topology.node].float()
         _, positions = self._take_vectors(kind, difference, self.topology.world_size)  # zeroed in the difference
-        codes, scales = kernels.quantize(difference, self.bits, self.block_size, backend=self.backend)
-        restored = kernels.dequantize(codes, scales, bits=self.bits, block_size=self.block_size,
+        codes, scales = kernels.quantize(difference, bits, self.block_size, backend=self.backend)
+        restored = kernels.dequantize(codes, scales, bits=bits, block_size=self.block_size,
                                       length=difference.numel(), dtype=torch.float32, backend=self.backend)
         too_coarse = (restored - difference).norm() > DIFFERENCE_ERROR_LIMIT * shard.float().norm()
         payload = [codes, scales] + ([shard[positions]] if positions is not None else []) + [
             too_coarse.to(torch.uint8).reshape(1)]
         self.meter.record(kind, self.topology.inter_node_group, sum(nbytes(t) for t in payload),
-                          f"weight deltas: int{self.bits} differences across nodes (block {self.block_size})"
+                          f"weight deltas: int{bits} differences across nodes (block {self.block_size})"
                           + (f", 1-D parameters in {shard.dtype}" if positions is not None else "")
-                          + f", kernels {kernels.active_backend(shard.device, self.backend)}")
+                          + f", kernels {kernels.active_backend(shard.device, self.backend)}"
+                          + ("" if bits == self.bits else f"; again, as int{self.bits} lost more than "
+                                                         f"{DIFFERENCE_ERROR_LIMIT:g} of a shard"))
         return payload, positions
 
-    def _add_differences(self, gathered: list[torch.Tensor], positions: torch.Tensor | None, numel: int) -> None:
-        differences = kernels.dequantize(gathered[0], gathered[1].view(torch.float32), bits=self.bits,
-                                         block_size=self.block_size, length=numel, dtype=torch.float32,
+    def _add_differences(self, gathered: list[torch.Tensor], positions: torch.Tensor | None, bits: int) -> None:
+        differences = kernels.dequantize(gathered[0], gathered[1].view(torch.float32), bits=bits,
+                                         block_size=self.block_size, length=self.copy.shape[1], dtype=torch.float32,
                                          backend=self.backend)
         copy = (self.copy.float() + differences).to(self.copy.dtype)
         if positions is not None:

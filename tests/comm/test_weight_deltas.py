@@ -153,9 +153,10 @@ def test_weight_deltas_on_gpt2_2x2(tmp_path):
     reloaded = result["reloaded"]
     assert reloaded["bytes"][3] == deltas["bytes"][0] and reloaded["errors"][3] == 0.0
     assert "int4 differences" in reloaded["how"][4] and reloaded["errors"][4] <= qwz8["errors"][4]
-    # changed in place: the difference is too coarse for INT4, so the same gather sends the shards again whole
-    assert "lost more than 0.004" in reloaded["how"][5] and reloaded["errors"][5] == 0.0, reloaded
-    assert not any("lost more" in how for how in deltas["how"]), "no ordinary step needs a whole resend"
+    # changed in place: INT4 leaves the shards too far off, so the same gather sends the rest again at INT8
+    assert "int8 differences" in reloaded["how"][5] and "lost more than 0.004" in reloaded["how"][5], reloaded
+    assert reloaded["errors"][5] <= 4e-3, reloaded
+    assert not any("lost more" in how for how in deltas["how"]), "no ordinary step needs a second round"
     # qwZ off at step 2, on again at step 4: plain gathers, then a full one, then differences (bf16 compute)
     switched = result["switched"]
     assert [how.split(":")[0].split(" ")[0] for how in switched["how"]] == ["weight", "weight", "all_gather",
