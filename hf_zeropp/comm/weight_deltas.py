@@ -71,6 +71,10 @@ class DeltaAllGather(QuantizedAllGather):
         when weights change other than through a training step (a load), or the copies would disagree."""
         self.copy = None
 
+    def kept_bytes(self) -> int:
+        """Bytes of the copy this rank keeps between steps."""
+        return 0 if self.copy is None else nbytes(self.copy)
+
     def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                 async_op: bool) -> dist.Work | None:
         if not (self.enabled and self.topology.nodes > 1 and dist.get_world_size(group) == self.topology.world_size):

@@ -80,6 +80,8 @@ def _train(options: dict, steps: int, *, micro_batches: int = 1, between=None, f
         record["errors"].append(stats.get("quantization_error", {}).get("fwd_allgather"))
         record["how"].append(" | ".join(stats["implementations"]["fwd_allgather"]))
     record["copies_agree"] = _copies_agree(model) if options.get("weight_deltas") else None
+    record["kept_share"] = (hf_zeropp.gathered_parameter_bytes(model)
+                            / sum(p.numel() * p.element_size() for p in _gpt2().parameters()))
     return record
 
 
@@ -144,6 +146,8 @@ def test_weight_deltas_on_gpt2_2x2(tmp_path):
         assert "int4 differences" in deltas["how"][step]
     assert all(rank[name]["copies_agree"] for rank in runs for name in ("deltas", "hard", "reloaded", "switched"))
     assert result["preset"]["bwd_inter"] == 0, "backward's gather must run from the node's copies"
+    # between steps a rank keeps 1/node_size of the weights (plus its shards' padding), counted as gathered bytes
+    assert 0.5 <= deltas["kept_share"] <= 0.52 and zero3["kept_share"] == 0, (deltas["kept_share"], zero3)
     # accumulation, activation checkpointing, a frozen block and hpZ; resumed in place before step 2
     hard = result["hard"]
     for step, (a, b) in enumerate(zip(hard["losses"], result["zero3_hard"]["losses"])):
