@@ -11,7 +11,7 @@ import torch.distributed as dist
 from hf_zeropp.testing.spawn import run_distributed
 
 SEQ = 32
-STEPS = 6
+STEPS = 4
 QWZ8 = {"stage": 3, "quantized_weights": True}
 DELTAS = {"stage": 3, "quantized_weights": True, "weight_bits": 4, "weight_deltas": True}
 
@@ -133,8 +133,8 @@ def test_weight_deltas_on_gpt2_2x2(tmp_path):
     runs = run_distributed(_runs, 4, str(tmp_path / "checkpoint"), node_size=2)
     result = runs[0]
     zero3, qwz8, deltas = result["zero3"], result["qwz8"], result["deltas"]
-    # the losses stay within 3e-4 of ZeRO-3's at every step, as INT8 qwZ's (measured: summed gaps over the 6 steps
-    # 1.9e-3 and 1.7e-3); with qgZ's INT4 gradients the preset is as far from ZeRO-3 as zeropp (3.4e-2 and 3.5e-2)
+    # the losses stay within 3e-4 of ZeRO-3's at every step, as INT8 qwZ's (measured: summed gaps over the 4 steps
+    # 1.5e-3 and 1.1e-3); with qgZ's INT4 gradients the preset is as far from ZeRO-3 as zeropp (1.5e-2 and 1.6e-2)
     for step, (a, b) in enumerate(zip(deltas["losses"], zero3["losses"])):
         assert abs(a - b) <= 1e-3 * b, (step, a, b)
     assert _gap(result["preset"]["losses"], zero3["losses"]) <= 1.2 * _gap(result["zeropp"]["losses"],
@@ -156,7 +156,7 @@ def test_weight_deltas_on_gpt2_2x2(tmp_path):
     # weights loaded from outside the optimizer: gathered whole, exactly, then differences again
     reloaded = result["reloaded"]
     assert reloaded["bytes"][3] == deltas["bytes"][0] and reloaded["errors"][3] == 0.0
-    assert "int4 differences" in reloaded["how"][4] and reloaded["errors"][4] <= qwz8["errors"][4]
+    assert "int4 differences" in reloaded["how"][4] and reloaded["errors"][4] <= min(qwz8["errors"])
     # changed in place: INT4 leaves the shards too far off, so the same gather sends the rest again at INT8
     assert "int8 differences" in reloaded["how"][5] and "lost more than 0.004" in reloaded["how"][5], reloaded
     assert reloaded["errors"][5] <= 4e-3, reloaded
