@@ -68,7 +68,7 @@ class DeltaAllGather(QuantizedAllGather):
 
     def forget(self) -> None:
         """Drop the copy: the next gather over the world sends the shards whole. Call it on every rank together
-        when weights change other than through a training step (a load), or the copies would disagree."""
+        when weights are replaced (a load): a rank that forgot alone would send a payload of another size."""
         self.copy = None
 
     def kept_bytes(self) -> int:
