@@ -149,7 +149,7 @@ def make_all_gather(config: ZeroPPConfig, topology: Topology, meter: CommMeter, 
     """The qwZ all-gather for the FSDP unit ``module`` (a ``gather_class``); with qwZ off it runs the plain metered
     gather until a schedule switches it on."""
     return gather_class(meter, topology, config.weight_bits, config.block_size,
-                              config.quantize_hpz_gather, enabled=config.quantized_weights,
-                              vector_slices=(VectorSlices(module, trainable_only=False)
-                                             if config.weight_full_precision_1d else None),
-                              backend=config.kernel_backend)
+                        config.quantize_hpz_gather, enabled=config.quantized_weights,
+                        vector_slices=(VectorSlices(module, trainable_only=False)
+                                       if config.weight_full_precision_1d else None),
+                        backend=config.kernel_backend)
