@@ -40,6 +40,7 @@ from ..interop.deepspeed.checkpoint import is_deepspeed_checkpoint
 from ..engine.full_state import consolidated_state_dict
 from ..interop.hf_checkpoint import MAX_SHARD_SIZE, write_pretrained, writes_per_rank
 from ..comm.hpz import reshard_all
+from ..engine.state import forget_weight_copies
 from ..engine.sharding import ZeroPPModule
 
 META_FILE = "zeropp_meta.json"
@@ -207,6 +208,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         )
     meta = json.loads(meta_path.read_text())
     reshard_all(model)
+    forget_weight_copies(model)
     state = _dcp_state(model, optimizer, meta.get("includes_model", True))
     dcp.load(state, checkpoint_id=str(directory))
     _apply_dcp_state(model, optimizer, state)

@@ -39,6 +39,7 @@ from ..interop.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ..interop.deepspeed.files import DeepSpeedCheckpoint, DeepSpeedCheckpointError, ParameterState
 from ..interop.deepspeed.zero import STEP_KEY
 from ..comm.hpz import reshard_all
+from ..engine.state import forget_weight_copies
 
 # hyperparameter names DeepSpeed's own optimizers use for what torch's call otherwise
 _RENAMED_HYPERPARAMETERS = {"adam_w_mode": "decoupled_weight_decay"}
@@ -242,6 +243,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: nn.Module, optimizer: Any
     if scheduler is not None:
         _check_scheduler(scheduler, saved_schedule, str(checkpoint.folder))
     reshard_all(model)
+    forget_weight_copies(model)
     state = _dcp_state(model, optimizer, include_model=True)
     if optimizer is not None:
         sources.update(_optimizer_sources(checkpoint, state["optimizer"], optimizer, aliases))

@@ -144,12 +144,12 @@ def all_gather_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> 
     return parts()
 
 
-def make_all_gather(config: ZeroPPConfig, topology: Topology, meter: CommMeter,
-                    module: torch.nn.Module) -> QuantizedAllGather:
-    """The qwZ all-gather for the FSDP unit ``module``; with qwZ off it runs the plain metered gather until a
-    schedule switches it on."""
-    return QuantizedAllGather(meter, topology, config.weight_bits, config.block_size,
-                              config.quantize_hpz_gather, enabled=config.quantized_weights,
-                              vector_slices=(VectorSlices(module, trainable_only=False)
-                                             if config.weight_full_precision_1d else None),
-                              backend=config.kernel_backend)
+def make_all_gather(config: ZeroPPConfig, topology: Topology, meter: CommMeter, module: torch.nn.Module,
+                    gather_class: type[QuantizedAllGather] = QuantizedAllGather) -> QuantizedAllGather:
+    """The qwZ all-gather for the FSDP unit ``module`` (a ``gather_class``); with qwZ off it runs the plain metered
+    gather until a schedule switches it on."""
+    return gather_class(meter, topology, config.weight_bits, config.block_size,
+                        config.quantize_hpz_gather, enabled=config.quantized_weights,
+                        vector_slices=(VectorSlices(module, trainable_only=False)
+                                       if config.weight_full_precision_1d else None),
+                        backend=config.kernel_backend)

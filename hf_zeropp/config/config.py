@@ -117,6 +117,10 @@ class ZeroPPConfig:
     block_size: int = _option(256, QWZ, "elements per quantization block (one fp32 scale each) for weights")
     weight_full_precision_1d: bool = _option(
         True, QWZ, "qwZ: 1-D parameters gathered in the compute dtype; False quantizes them with the matrices")
+    weight_deltas: bool = _option(
+        False, QWZ, "qwZ sends, after one full-precision gather, the `weight_bits`-wide difference between this step's "
+                    "weights and the copy every node keeps (one cross-node gather among the ranks of equal local "
+                    "index, then one inside the node; about 1/node_size of the weights per rank, kept between steps)")
     quantized_nontrainable_weights: bool = _option(
         False, QWZ, "frozen weights stored as INT8 (LoRA / RLHF)")
     # ---------------------------------------------------------------- hpZ
@@ -300,8 +304,8 @@ class ZeroPPConfig:
     def preset(cls, name: str, **overrides: Any) -> ZeroPPConfig:
         """A named configuration: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``zeropp`` (qwZ+hpZ+qgZ),
         ``zeropp-accurate`` (zeropp with Hadamard-rotated qgZ blocks, an 8-bit intra-node hop and own rows in fp32),
-        ``zeropp-lora``,
-        ``zeropp-qwz``, ``zeropp-hpz``, ``zeropp-qgz``."""
+        ``zeropp-lora``, ``zeropp-deltas`` (qwZ by INT4 weight differences), ``zeropp-qwz``, ``zeropp-hpz``,
+        ``zeropp-qgz``."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})

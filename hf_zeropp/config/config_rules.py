@@ -29,6 +29,7 @@ def check_option_rules(config: Any) -> None:
     _check_error_feedback(config)
     _check_bit_allocation(config)
     _check_stage_supports_options(config)
+    _check_weight_deltas(config)
     _check_hybrid(config)
 
 
@@ -88,6 +89,12 @@ def _check_hybrid(config: Any) -> None:
         raise ValueError("shard_group='node' with gradient_error_feedback but no hybrid_gradient_bits: error "
                          "feedback compensates the quantization of the cross-node all-reduce, which runs in full "
                          "precision here; set hybrid_gradient_bits: 4 (preset hybrid-q) or turn it off")
+
+
+def _check_weight_deltas(config: Any) -> None:
+    if config.weight_deltas and not config.quantized_weights:
+        raise ValueError("weight_deltas sends qwZ's forward gather as differences, but quantized_weights is off; set "
+                         "quantized_weights: true (preset zeropp-deltas) or remove weight_deltas")
 
 
 def _check_gradient_hadamard(config: Any) -> None:

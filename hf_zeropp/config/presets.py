@@ -20,6 +20,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                         "gradient_full_precision_local": True},
     "zeropp-lora": {"stage": 3, "quantized_weights": True, "hpz_partition_size": "node", "quantized_gradients": True,
                     "quantized_nontrainable_weights": True},
+    # ZeRO++ with qwZ sending INT4 differences against a copy each node keeps between steps; that copy serves the
+    # backward's gather inside the node, so hpZ is left off (docs/design.md, "Weight deltas")
+    "zeropp-deltas": {"stage": 3, "quantized_weights": True, "weight_bits": 4, "weight_deltas": True,
+                      "quantized_gradients": True},
     "zeropp-qwz": {"stage": 3, "quantized_weights": True},
     "zeropp-hpz": {"stage": 3, "hpz_partition_size": "node"},
     "zeropp-qgz": {"stage": 3, "quantized_gradients": True},

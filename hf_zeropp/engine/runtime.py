@@ -14,6 +14,7 @@ from .._compat import fsdp_param_groups, group_gathered_bytes, group_parameters
 from .auto_trial import current_meter, is_pending
 from .frozen import frozen_weight_bytes, held_weight_bytes
 from ..comm.hpz import set_hpz
+from ..comm.weight_deltas import DeltaAllGather
 from .state import fsdp_modules, zeropp_state
 
 
@@ -137,10 +138,11 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 def gathered_parameter_bytes(model: nn.Module) -> int:
     """Bytes of gathered weights this rank holds right now beyond its shards: full unsharded parameters of units
-    that are not resharded, hpZ's post-forward (secondary) slices, and frozen INT8 weights held dequantized by
-    :func:`hf_zeropp.gathered_for_inference`."""
+    that are not resharded, hpZ's post-forward (secondary) slices, the copies ``weight_deltas`` keeps between steps,
+    and frozen INT8 weights held dequantized by :func:`hf_zeropp.gathered_for_inference`."""
     fsdp = sum(group_gathered_bytes(group) for module in fsdp_modules(model) for group in fsdp_param_groups(module))
-    return fsdp + held_weight_bytes(model)
+    copies = sum(comm.kept_bytes() for comm in zeropp_state(model).all_gathers if isinstance(comm, DeltaAllGather))
+    return fsdp + copies + held_weight_bytes(model)
 
 
 __all__ = ["active_techniques", "clip_grad_norm_", "comm_stats", "gathered_parameter_bytes", "no_sync",

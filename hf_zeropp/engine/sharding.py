@@ -43,7 +43,7 @@ from .live_weights import persistent_parameters, prefetch_gathers, resolve_hidde
 from .materialize import RANK0, REAL, agree_on_placement, fill_shards, frozen_weight_source, loading_description
 from .optimizer_hooks import watch_parameters
 from ..comm.qgz import make_reduce_scatter
-from ..comm.qwz import make_all_gather
+from ..comm.weight_deltas import make_all_gather
 from ..comm.replicated import ReplicatedParameters
 from .reports import report_what_will_not_run_as_asked
 from .state import ZeroPPState, attach, fsdp_modules, zeropp_state

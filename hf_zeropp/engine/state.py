@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..comm.comm_meter import CommMeter
+from ..comm.weight_deltas import DeltaAllGather
 from ..config.config import ZeroPPConfig
 from ..comm.topology import Topology
 
@@ -51,8 +52,17 @@ def zeropp_state(model: nn.Module) -> ZeroPPState:
     return state
 
 
+def forget_weight_copies(model: nn.Module) -> None:
+    """The model's weights are being replaced from outside the optimizer (a load; collective, every rank): drop the
+    copies ``weight_deltas`` keeps, so the next forward gathers the new weights whole, not as a difference."""
+    state = getattr(model, "_zeropp", None)
+    for comm in state.all_gathers if state is not None else ():
+        if isinstance(comm, DeltaAllGather):
+            comm.forget()
+
+
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-__all__ = ["ZeroPPState", "attach", "fsdp_modules", "sharded_models", "zeropp_state"]
+__all__ = ["ZeroPPState", "attach", "forget_weight_copies", "fsdp_modules", "sharded_models", "zeropp_state"]

@@ -28,6 +28,8 @@ ON_REQUEST: dict[str, dict] = {
     # the INT8 variants auto may widen a quantized choice to
     "ZeRO++ int8 gradients": {"preset": "zeropp", "gradient_bits": 8},
     "hybrid-q int8": {"preset": "hybrid-q", "hybrid_gradient_bits": 8},
+    # qwZ sending INT4 differences against a copy each node keeps (docs/results/2026-12-07-weight-deltas.md)
+    "ZeRO++ deltas": {"preset": "zeropp-deltas"},
 }
 DEEPSPEED: dict[str, dict] = {
     "DeepSpeed ZeRO-3": {"stage": 3},  # its defaults keep up to 1e9 gathered parameters live between uses

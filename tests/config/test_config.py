@@ -172,6 +172,10 @@ BAD_CONFIGS = [
      "gradient_bit_allocation_floor=1 must be 0 (no floor) or a width from 2 to gradient_bits=4"),
     (dict(gradient_bit_allocation=True, gradient_bit_allocation_floor=5), ValueError,
      "gradient_bit_allocation_floor=5 must be 0 (no floor) or a width from 2 to gradient_bits=4"),
+    (dict(weight_deltas=True), ValueError,
+     "weight_deltas sends qwZ's forward gather as differences, but quantized_weights is off; set quantized_weights"),
+    (dict(preset="zeropp-deltas", shard_group="node"), ValueError, "shard_group='node' (hybrid sharding) with "
+                                                                   "quantized_weights"),
 ]
 
 
