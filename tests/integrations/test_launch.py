@@ -233,7 +233,8 @@ def _trainer_launches(work: Path) -> dict[str, list[dict]]:
     # FSDP flags
     deepspeed_output = hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(
         work / "deepspeed"), f"--deepspeed={deepspeed}", *TRAINER_ARGS, env={"ZEROPP_NODE_SIZE": "2"})
-    fsdp = hf_zeropp_launch("--config_file", str(STOCK_CPU), script, "--output_dir", str(work / "fsdp"),
+    fsdp = hf_zeropp_launch("--config_file", str(STOCK_CPU), "--dynamo_backend", "eager", script, "--output_dir",
+                            str(work / "fsdp"),
                              *TRAINER_ARGS, "--fsdp", "full_shard auto_wrap", "--fsdp_config",
                              json.dumps(TRAINER_FSDP_CONFIG))
     accelerate_deepspeed = _write_yaml(work / "deepspeed.yaml", distributed_type="DEEPSPEED", deepspeed_config={
@@ -281,13 +282,16 @@ def test_trainer_fsdp_flags_run_on_hf_zeropp_with_their_units_and_equal_stock(tr
     """``--fsdp "full_shard auto_wrap" --fsdp_config {...}`` under the launcher: the FSDP settings become hf_zeropp
     options (zero3 on the listed classes, with activation checkpointing) instead of Accelerate's FSDP plugin, and the
     Trainer's losses, gradient norms and evaluation losses equal the stock run's to 1e-6 (stock Accelerate runs its
-    FSDP plugin as DDP on CPU, the run above). The keys that change nothing, and the checkpoint format that differs
-    from FSDP's FULL_STATE_DICT (the Trainer's default), are said once, by rank 0."""
+    FSDP plugin as DDP on CPU, the run above), with each unit compiled as the launch line's ``--dynamo_backend eager``
+    asks. The keys that change nothing, and the checkpoint format that differs from FSDP's FULL_STATE_DICT (the
+    Trainer's default), are said once, by rank 0."""
     stock, ours = trainer_runs["stock"], trainer_runs["fsdp"]
     for key in ("loss", "grad_norm", "eval_loss"):
         assert _close(_series(ours, key), _series(stock, key), EXACT), (key, _series(ours, key), _series(stock, key))
     assert ours[0]["zeropp/fwd_allgather_intra_node_bytes"] > 0
     output = trainer_runs["fsdp_output"]
+    # the launch line's --dynamo_backend eager: the Trainer's Accelerator compiles each FSDP unit (eager's numbers)
+    assert output.count("hf_zeropp compiles a sharded model per FSDP unit") == 1
     assert output.count("use_orig_params=True in TrainingArguments' fsdp and fsdp_config: ignored") == 1
     assert output.count("state_dict_type=FULL_STATE_DICT in TrainingArguments' fsdp and fsdp_config") == 1
 
