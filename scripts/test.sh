@@ -10,10 +10,6 @@ cd "$(dirname "$0")/.."
 # Every process writes the bytecode of what it imports (the first import compiles it, the others read it): with
 # PYTHONDONTWRITEBYTECODE=1 each of the run's hundreds of processes would compile torch and transformers again.
 unset PYTHONDONTWRITEBYTECODE
-# One intra-op thread in pytest's own process, as in every rank and launch worker: the background launches keep the
-# other core busy, and two OpenMP threads beside them took 1.8x the CPU time for the same in-process tests (the
-# kernels' fuzz, Hadamard and bit-allocation tests: 59.9 against 32.3 CPU-seconds, measured at load average 30-50).
-export OMP_NUM_THREADS=1
 bash scripts/setup.sh
 # The kernels build (about 25 s where nothing is cached) while pytest collects and the first tests run; a test that
 # needs them first waits for that build on cpp_extension's lock in the build folder, as ranks starting together do.

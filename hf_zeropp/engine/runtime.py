@@ -141,7 +141,9 @@ def gathered_parameter_bytes(model: nn.Module) -> int:
     that are not resharded, hpZ's post-forward (secondary) slices, the copies ``weight_deltas`` keeps between steps,
     and frozen INT8 weights held dequantized by :func:`hf_zeropp.gathered_for_inference`."""
     fsdp = sum(group_gathered_bytes(group) for module in fsdp_modules(model) for group in fsdp_param_groups(module))
-    copies = sum(comm.kept_bytes() for comm in zeropp_state(model).all_gathers if isinstance(comm, DeltaAllGather))
+    state = getattr(model, "_zeropp", None)  # an unsharded model holds no copies (and no gathered weights)
+    copies = sum(comm.kept_bytes() for comm in (state.all_gathers if state is not None else ())
+                 if isinstance(comm, DeltaAllGather))
     return fsdp + copies + held_weight_bytes(model)
 
 
