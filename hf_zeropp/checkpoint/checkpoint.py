@@ -39,8 +39,7 @@ from .._compat import uncompiled
 from ..interop.deepspeed.checkpoint import is_deepspeed_checkpoint
 from ..engine.full_state import consolidated_state_dict
 from ..interop.hf_checkpoint import MAX_SHARD_SIZE, write_pretrained, writes_per_rank
-from ..comm.hpz import reshard_all
-from ..engine.state import forget_weight_copies
+from ..engine.state import replacing_weights
 from ..engine.sharding import ZeroPPModule
 
 META_FILE = "zeropp_meta.json"
@@ -207,8 +206,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
             f"pick one returned by latest_checkpoint()"
         )
     meta = json.loads(meta_path.read_text())
-    reshard_all(model)
-    forget_weight_copies(model)
+    replacing_weights(model)
     state = _dcp_state(model, optimizer, meta.get("includes_model", True))
     dcp.load(state, checkpoint_id=str(directory))
     _apply_dcp_state(model, optimizer, state)

@@ -38,8 +38,7 @@ from .checkpoint import _apply_dcp_state, _dcp_state
 from ..interop.deepspeed.checkpoint import read_deepspeed_checkpoint
 from ..interop.deepspeed.files import DeepSpeedCheckpoint, DeepSpeedCheckpointError, ParameterState
 from ..interop.deepspeed.zero import STEP_KEY
-from ..comm.hpz import reshard_all
-from ..engine.state import forget_weight_copies
+from ..engine.state import replacing_weights
 
 # hyperparameter names DeepSpeed's own optimizers use for what torch's call otherwise
 _RENAMED_HYPERPARAMETERS = {"adam_w_mode": "decoupled_weight_decay"}
@@ -242,8 +241,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: nn.Module, optimizer: Any
     saved_schedule = scheduler_state if scheduler_state is not None else checkpoint.lr_scheduler
     if scheduler is not None:
         _check_scheduler(scheduler, saved_schedule, str(checkpoint.folder))
-    reshard_all(model)
-    forget_weight_copies(model)
+    replacing_weights(model)
     state = _dcp_state(model, optimizer, include_model=True)
     if optimizer is not None:
         sources.update(_optimizer_sources(checkpoint, state["optimizer"], optimizer, aliases))

@@ -27,8 +27,7 @@ from torch.distributed.tensor import DTensor
 from .frozen import frozen_stores
 from ..interop.hf_checkpoint import (INDEX_FILE, WEIGHTS_FILE, CheckpointSource, SafetensorsFolder, aliases, plan_reads,
                                      read_shards)
-from ..comm.hpz import reshard_all
-from .state import forget_weight_copies
+from .state import replacing_weights
 
 # How long rank 0 waits for the other ranks to join a consolidating save or load before it names the missing ones.
 ARRIVAL_TIMEOUT = datetime.timedelta(minutes=5)
@@ -103,8 +102,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict
     INT8-stored weights are re-quantized from the given tensors. Returns ``(missing_keys, unexpected_keys)`` as
     ``nn.Module.load_state_dict`` does."""
     expect_every_rank(control_group, "load_state_dict with full tensors")
-    reshard_all(model)
-    forget_weight_copies(model)
+    replacing_weights(model)
     remaining = dict(state_dict)
     for name, store in frozen_stores(model).items():
         if name in remaining:
@@ -122,8 +120,7 @@ def load_pretrained_in_slices(model: nn.Module, directory: str | os.PathLike,
     if frozen_stores(model) or not any((Path(directory) / name).is_file() for name in (WEIGHTS_FILE, INDEX_FILE)):
         return False
     expect_every_rank(control_group, "loading a saved model")
-    reshard_all(model)
-    forget_weight_copies(model)
+    replacing_weights(model)
     source = CheckpointSource(SafetensorsFolder(directory), "", torch.device("cpu"))
     reads = plan_reads(model, source)
     if reads.not_stored:

@@ -14,8 +14,7 @@ from .._compat import fsdp_param_groups, group_gathered_bytes, group_parameters
 from .auto_trial import current_meter, is_pending
 from .frozen import frozen_weight_bytes, held_weight_bytes
 from ..comm.hpz import set_hpz
-from ..comm.weight_deltas import DeltaAllGather
-from .state import fsdp_modules, zeropp_state
+from .state import fsdp_modules, weight_delta_gathers, zeropp_state
 
 
 def comm_stats(model: nn.Module, reset: bool = False) -> dict[str, Any]:
@@ -141,9 +140,7 @@ def gathered_parameter_bytes(model: nn.Module) -> int:
     that are not resharded, hpZ's post-forward (secondary) slices, the copies ``weight_deltas`` keeps between steps,
     and frozen INT8 weights held dequantized by :func:`hf_zeropp.gathered_for_inference`."""
     fsdp = sum(group_gathered_bytes(group) for module in fsdp_modules(model) for group in fsdp_param_groups(module))
-    state = getattr(model, "_zeropp", None)  # an unsharded model holds no copies (and no gathered weights)
-    copies = sum(comm.kept_bytes() for comm in (state.all_gathers if state is not None else ())
-                 if isinstance(comm, DeltaAllGather))
+    copies = sum(comm.kept_bytes() for comm in weight_delta_gathers(model))
     return fsdp + copies + held_weight_bytes(model)
 
 

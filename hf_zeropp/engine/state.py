@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..comm.comm_meter import CommMeter
+from ..comm.hpz import reshard_all
 from ..comm.weight_deltas import DeltaAllGather
 from ..config.config import ZeroPPConfig
 from ..comm.topology import Topology
@@ -52,17 +53,24 @@ def zeropp_state(model: nn.Module) -> ZeroPPState:
     return state
 
 
-def forget_weight_copies(model: nn.Module) -> None:
-    """The model's weights are being replaced from outside the optimizer (a load; collective, every rank): drop the
-    copies ``weight_deltas`` keeps, so the next forward gathers the new weights whole, not as a difference."""
+def weight_delta_gathers(model: nn.Module) -> list[DeltaAllGather]:
+    """The all-gathers of ``model`` that keep ``weight_deltas`` copies (none where shard_model did not shard it)."""
     state = getattr(model, "_zeropp", None)
-    for comm in state.all_gathers if state is not None else ():
-        if isinstance(comm, DeltaAllGather):
-            comm.forget()
+    return [comm for comm in (state.all_gathers if state is not None else ()) if isinstance(comm, DeltaAllGather)]
+
+
+def replacing_weights(model: nn.Module) -> None:
+    """The model's weights are about to be replaced from outside the optimizer (a load; collective, every rank): drop
+    every gathered copy, FSDP2's and hpZ's and those ``weight_deltas`` keeps, so the next forward gathers the new
+    weights whole, not as a difference."""
+    reshard_all(model)
+    for comm in weight_delta_gathers(model):
+        comm.forget()
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-__all__ = ["ZeroPPState", "attach", "forget_weight_copies", "fsdp_modules", "sharded_models", "zeropp_state"]
+__all__ = ["ZeroPPState", "attach", "fsdp_modules", "replacing_weights", "sharded_models",
+           "weight_delta_gathers", "zeropp_state"]
